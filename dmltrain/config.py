@@ -1,0 +1,290 @@
+"""Typed experiment configuration: one YAML file per experiment plus dotted command-line overrides.
+
+Every section forbids unknown keys, so a typo (``optim.lr_rate``) is an error that names the key and the
+file instead of a silently ignored setting. The config is plain data: it can be validated, flattened for
+MLflow and shipped to Ray workers without importing torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the file and key at fault in the message."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    """Where the shards live and how images are turned into tensors."""
+
+    root: str = Field(description="Directory or URL (s3://, gs://, https://) with dataset.json and shards.")
+    prepare: Literal["glyphs"] | None = Field(
+        default=None, description="Build this embedded data set into `root` on first use (no download)."
+    )
+    train_split: str = "train"
+    eval_split: str = "test"
+    image_size: int = Field(default=224, ge=8, description="Side of the square crop the network sees.")
+    resize: int | None = Field(default=None, ge=8, description="Test-time resize before the centre crop.")
+    crop_scale: tuple[float, float] = Field(default=(0.16, 1.0), description="RandomResizedCrop scale range.")
+    loader_workers: int = Field(default=2, ge=0, description="DataLoader processes per Ray worker.")
+
+    @model_validator(mode="after")
+    def _check_scale(self) -> DataConfig:
+        lo, hi = self.crop_scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"crop_scale must satisfy 0 < low <= high <= 1, got {self.crop_scale}")
+        return self
+
+
+class SamplerConfig(_Section):
+    """Class-level batch construction (papers: FastAP Sec. 4.2, Smooth-AP Sec. 5.3, RLL Sec. 4.1)."""
+
+    name: Literal["pk", "hard", "vehicleid", "random", "triplet"] = "pk"
+    samples_per_class: int = Field(default=4, ge=1, description="K images per class (Smooth-AP |P|).")
+    buffer_images_per_class: int = Field(default=16, ge=1, description="Stream buffer cap per class.")
+    seed: int = 0
+
+
+class ModelConfig(_Section):
+    """torchvision backbone with its classifier replaced by a linear embedding and L2 normalisation."""
+
+    backbone: str = "resnet50"
+    embedding_dim: int = Field(default=512, ge=1)
+    weights: str | None = Field(
+        default=None,
+        description="None, a torchvision weights name (e.g. IMAGENET1K_V2, DEFAULT) or a local file path.",
+    )
+    freeze_bn: bool = Field(default=True, description="BatchNorm in eval mode while training (papers).")
+
+
+class FastAPConfig(_Section):
+    name: Literal["fastap"]
+    num_bins: int = Field(default=10, ge=1)
+
+
+class SmoothAPConfig(_Section):
+    name: Literal["smoothap"]
+    temperature: float = Field(default=0.01, gt=0)
+
+
+class TnScheduleConfig(_Section):
+    """Dynamic negative temperature of RLL Eq. 15; None in the loss config keeps Tn fixed."""
+
+    start: float
+    end: float
+    steps: int = Field(ge=1)
+
+
+class RankedListConfig(_Section):
+    name: Literal["rll"]
+    margin: float = Field(default=0.4, gt=0)
+    alpha: float | None = None
+    tn: float = 10.0
+    tp: float = 0.0
+    lam: float = Field(default=0.5, ge=0, le=1)
+    tn_schedule: TnScheduleConfig | None = None
+
+
+class TripletConfig(_Section):
+    name: Literal["triplet"]
+    margin: float = Field(default=0.2, ge=0)
+
+
+LossConfig = Annotated[
+    FastAPConfig | SmoothAPConfig | RankedListConfig | TripletConfig, Field(discriminator="name")
+]
+
+
+class OptimConfig(_Section):
+    name: Literal["adam", "adamw", "sgd"] = "adam"
+    lr: float = Field(default=1e-5, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    momentum: float = Field(default=0.9, ge=0, lt=1, description="SGD only.")
+    embedding_lr_mult: float = Field(default=10.0, gt=0, description="Papers train the new head 10x faster.")
+    schedule: Literal["constant", "cosine", "step"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
+    step_every: int = Field(default=1000, ge=1, description="`step` schedule: decay interval in steps.")
+    step_gamma: float = Field(default=0.5, gt=0, le=1)
+    grad_clip: float | None = Field(default=None, gt=0, description="Max global gradient norm.")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(ge=1, description="Optimizer steps in the whole run.")
+    global_batch_size: int = Field(ge=2, description="Images per step over all workers: the loss's batch.")
+    chunk_size: int = Field(default=64, ge=1, description="Images per forward/backward chunk in a worker.")
+    log_every: int = Field(default=10, ge=1)
+    checkpoint_every: int = Field(default=100, ge=1)
+    eval_every: int = Field(default=500, ge=1)
+    eval_at_start: bool = True
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        default="auto", description="auto = bf16 autocast on CUDA, fp32 on CPU."
+    )
+    max_skipped_steps: int = Field(
+        default=20, ge=0, description="Consecutive non-finite losses tolerated before the run fails."
+    )
+    seed: int = 0
+
+
+class EvalConfig(_Section):
+    ks: tuple[int, ...] = (1, 2, 4, 8)
+    batch_size: int = Field(default=128, ge=1)
+    max_images: int | None = Field(default=None, ge=2, description="Cap for quick checks; None = all.")
+    grid_queries: int = Field(default=8, ge=0, description="Queries in the retrieval-grid plot.")
+
+
+class ScalingConfigSection(_Section):
+    num_workers: int = Field(default=2, ge=1)
+    use_gpu: bool | Literal["auto"] = "auto"
+    cpus_per_worker: float = Field(default=1.0, gt=0)
+    torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads per worker.")
+
+
+class RunSection(_Section):
+    name: str = Field(description="Ray Train run name: relaunching with the same name resumes.")
+    storage_path: str = Field(default="./ray_results", description="Shared storage for Ray checkpoints.")
+    max_failures: int = Field(default=3, ge=-1, description="Worker-group restarts from the last checkpoint.")
+    keep_checkpoints: int = Field(default=2, ge=1)
+
+
+class MlflowSection(_Section):
+    tracking_uri: str | None = Field(
+        default=None, description="None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd."
+    )
+    experiment: str = "dmltrain"
+    log_checkpoints: bool = True
+
+
+class ExperimentConfig(_Section):
+    data: DataConfig
+    sampler: SamplerConfig = SamplerConfig()
+    model: ModelConfig = ModelConfig()
+    loss: LossConfig
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig
+    eval: EvalConfig = EvalConfig()
+    scaling: ScalingConfigSection = ScalingConfigSection()
+    run: RunSection
+    mlflow: MlflowSection = MlflowSection()
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> ExperimentConfig:
+        workers = self.scaling.num_workers
+        if self.train.global_batch_size % workers:
+            raise ValueError(
+                f"train.global_batch_size={self.train.global_batch_size} must be divisible by "
+                f"scaling.num_workers={workers}"
+            )
+        if self.train.global_batch_size // workers < self.sampler.samples_per_class:
+            raise ValueError("each worker's batch must hold at least sampler.samples_per_class images")
+        if self.sampler.name == "hard" and self.train.global_batch_size % 2:
+            raise ValueError("sampler.name=hard splits the global batch in two halves: make it even")
+        return self
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.train.global_batch_size // self.scaling.num_workers
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split ``a.b.c=value`` into its key path and a YAML-typed value (so ``1e-4`` is a float)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
+    key, raw = text.split("=", 1)
+    path = [part for part in key.strip().split(".") if part]
+    if not path:
+        raise ConfigError(f"override {text!r} has an empty key")
+    return path, yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Return a copy of ``raw`` with every dotted override applied (creating sections as needed)."""
+    merged = _deep_copy(raw)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = merged
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return merged
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def _describe_errors(error: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for item in error.errors():
+        key = ".".join(str(p) for p in item["loc"] if not (isinstance(p, str) and p in _UNION_TAGS))
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key (typo?)")
+        elif item["type"] == "missing":
+            lines.append(f"  {key}: required key is missing")
+        else:
+            lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
+    return "\n".join(lines)
+
+
+_UNION_TAGS = {"fastap", "smoothap", "rll", "triplet"}
+
+
+def config_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> ExperimentConfig:
+    """Validate a raw mapping; errors name every offending key and the source."""
+    try:
+        return ExperimentConfig.model_validate(dict(raw))
+    except ValidationError as error:
+        raise ConfigError(_describe_errors(error, source)) from None
+
+
+def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Read a YAML experiment file, apply ``key.sub=value`` overrides and validate the result."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file not found: {file}")
+    try:
+        raw = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {file} is not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {file} must hold a mapping at the top level")
+    source = f"{file}" + (f" with overrides {list(overrides)}" if overrides else "")
+    return config_from_dict(apply_overrides(raw, overrides), source)
+
+
+def flatten(config: ExperimentConfig) -> dict[str, str]:
+    """Dotted ``section.key -> str`` pairs, the form MLflow params take."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, child in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, child)
+        else:
+            out[prefix] = str(value)
+
+    walk("", config.model_dump(mode="json"))
+    return out
+
+
+def to_yaml(config: ExperimentConfig) -> str:
+    """The resolved config as YAML, re-loadable with :func:`load_config`."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

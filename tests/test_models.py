@@ -1,0 +1,74 @@
+"""Embedding network: any torchvision backbone, L2-normalised output, local weight files, 10x head lr."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmltrain.builders import build_optimizer, lr_factor
+from dmltrain.config import OptimConfig
+from dmltrain.models import build_model, normalize_images
+
+
+@pytest.mark.parametrize("backbone", ["resnet18", "mobilenet_v2", "googlenet"])
+def test_backbones_give_unit_embeddings(backbone: str) -> None:
+    torch.manual_seed(0)
+    model = build_model(backbone, embedding_dim=16).eval()
+    with torch.no_grad():
+        out = model(torch.randn(3, 3, 32, 32) if backbone != "googlenet" else torch.randn(3, 3, 64, 64))
+    assert out.shape == (3, 16)
+    torch.testing.assert_close(out.norm(dim=1), torch.ones(3))
+
+
+def test_unknown_backbone_and_weights_name() -> None:
+    with pytest.raises(ValueError, match="model.backbone"):
+        build_model("resnet19", 8)
+    with pytest.raises(ValueError, match="model.weights"):
+        build_model("resnet18", 8, weights="IMAGENET9K_V9")
+
+
+def test_local_weights_file(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    source = build_model("resnet18", 8)
+    full = tmp_path / "full.pt"
+    torch.save({"model": source.state_dict()}, full)
+    loaded = build_model("resnet18", 8, weights=str(full))
+    for key, value in source.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value)
+    # A plain torchvision backbone file: the classifier is dropped, the backbone loads.
+    import torchvision
+
+    plain = torchvision.models.resnet18()
+    backbone_file = tmp_path / "resnet18.pth"
+    torch.save(plain.state_dict(), backbone_file)
+    model = build_model("resnet18", 8, weights=str(backbone_file))
+    torch.testing.assert_close(model.backbone.conv1.weight, plain.conv1.weight)
+    with pytest.raises(FileNotFoundError, match="model.weights"):
+        build_model("resnet18", 8, weights=str(tmp_path / "missing.pt"))
+
+
+def test_head_learns_ten_times_faster() -> None:
+    model = build_model("resnet18", 8)
+    optimizer = build_optimizer(model, OptimConfig(name="sgd", lr=0.01, embedding_lr_mult=10))
+    rates = {group["name"]: group["lr"] for group in optimizer.param_groups}
+    assert rates == {"backbone": 0.01, "embedding": pytest.approx(0.1)}
+    n_params = sum(len(g["params"]) for g in optimizer.param_groups)
+    assert n_params == len(list(model.parameters()))
+
+
+def test_schedule_shapes() -> None:
+    cosine = OptimConfig(schedule="cosine", warmup_steps=10)
+    assert lr_factor(cosine, 110, 0) == pytest.approx(0.1)
+    assert lr_factor(cosine, 110, 10) == pytest.approx(1.0)
+    assert lr_factor(cosine, 110, 110) == pytest.approx(0.0, abs=1e-9)
+    step = OptimConfig(schedule="step", step_every=5, step_gamma=0.5)
+    assert [lr_factor(step, 100, s) for s in (0, 4, 5, 10)] == [1.0, 1.0, 0.5, 0.25]
+
+
+def test_normalize_images_grey_and_rgb() -> None:
+    grey = torch.full((2, 1, 4, 4), 255, dtype=torch.uint8)
+    out = normalize_images(grey)
+    assert out.shape == (2, 3, 4, 4) and out.dtype == torch.float32
+    torch.testing.assert_close(out[0, 0, 0, 0], torch.tensor((1 - 0.485) / 0.229))
