@@ -1,0 +1,167 @@
+"""Collectives the engine needs, usable whether or not torch.distributed is initialised.
+
+Without an initialised process group every helper degrades to the single-process answer (rank 0 of a
+world of 1, gathers return their input, reductions are no-ops), so library code can call them
+unconditionally. Local batches may differ in size between ranks: gathers exchange sizes first and pad.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = [
+    "all_gather_sizes",
+    "all_gather_uneven",
+    "all_reduce_sum_",
+    "broadcast_buffers_",
+    "communication_device",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+    "sum_gradients_",
+]
+
+_BUCKET_BYTES = 32 * 1024 * 1024
+
+
+def is_distributed() -> bool:
+    """True when a default process group exists, i.e. collectives would actually communicate."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """This process's rank in the default group, 0 when torch.distributed is not initialised."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    """Number of processes in the default group, 1 when torch.distributed is not initialised."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def communication_device(device: torch.device) -> torch.device:
+    """Where a tensor living on `device` must be for the current backend's collectives.
+
+    NCCL only moves CUDA tensors; gloo is only dependable for CPU tensors, so anything that is not a CUDA
+    tensor under an NCCL group travels through host memory.
+    """
+    if device.type == "cuda" and is_distributed() and "nccl" in str(dist.get_backend()).lower():
+        return device
+    return torch.device("cpu")
+
+
+def all_gather_sizes(size: int, device: torch.device | None = None) -> list[int]:
+    """Every rank's value of `size` (typically its local batch size), in rank order.
+
+    Doubles as a cheap barrier that lets all ranks agree on per-rank facts before larger collectives.
+    """
+    if get_world_size() == 1:
+        return [int(size)]
+    comm = communication_device(device or torch.device("cpu"))
+    mine = torch.tensor([int(size)], dtype=torch.int64, device=comm)
+    out = [torch.empty_like(mine) for _ in range(get_world_size())]
+    dist.all_gather(out, mine)
+    return [int(t.item()) for t in out]
+
+
+def all_gather_uneven(tensor: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
+    """Concatenate every rank's `tensor` along dim 0 in rank order; ranks may hold different row counts.
+
+    Exact (a copy, no arithmetic) and not differentiable: the engine handles the backward explicitly.
+    `sizes` (from `all_gather_sizes`) saves one collective when the caller already knows them. Rows are
+    padded to the largest rank's count for the transfer and the padding is dropped again.
+    """
+    world = get_world_size()
+    if world == 1:
+        return tensor
+    if sizes is None:
+        sizes = all_gather_sizes(tensor.shape[0], tensor.device)
+    if len(sizes) != world:
+        raise ValueError(f"sizes has {len(sizes)} entries for a world of {world}")
+    rank = get_rank()
+    if tensor.shape[0] != sizes[rank]:
+        raise ValueError(f"rank {rank}: tensor has {tensor.shape[0]} rows but sizes[{rank}] = {sizes[rank]}")
+    comm = communication_device(tensor.device)
+    longest = max(sizes)
+    padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype, device=comm)
+    padded[: tensor.shape[0]] = tensor.to(comm)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)]).to(tensor.device)
+
+
+def all_reduce_sum_(tensor: Tensor) -> Tensor:
+    """Sum `tensor` over ranks in place (a no-op in a world of 1) and return it."""
+    if get_world_size() == 1:
+        return tensor
+    comm = communication_device(tensor.device)
+    if comm == tensor.device:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    else:
+        staged = tensor.to(comm)
+        dist.all_reduce(staged, op=dist.ReduceOp.SUM)
+        tensor.copy_(staged)
+    return tensor
+
+
+def sum_gradients_(parameters: Iterable[nn.Parameter], bucket_bytes: int = _BUCKET_BYTES) -> None:
+    """Replace every parameter's `.grad` by its SUM over ranks, in a few coalesced all-reduces.
+
+    Summing (not averaging) is what makes a row-split loss reproduce the single-process gradient. A
+    parameter that got no gradient on some rank counts as zero there; one that got none on any rank keeps
+    `.grad = None`, as a single process would leave it. Every rank must call this with the same
+    parameters in the same order.
+    """
+    params = [p for p in parameters if p.requires_grad]
+    if get_world_size() == 1 or not params:
+        return
+    used = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float32)
+    all_reduce_sum_(used)
+    bucket: list[nn.Parameter] = []
+    bucket_size = 0
+    for p, n in zip(params, used.tolist(), strict=True):
+        if n == 0:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if bucket and (p.grad.dtype != bucket[0].grad.dtype or p.grad.device != bucket[0].grad.device):
+            _reduce_bucket(bucket)
+            bucket, bucket_size = [], 0
+        bucket.append(p)
+        bucket_size += p.grad.numel() * p.grad.element_size()
+        if bucket_size >= bucket_bytes:
+            _reduce_bucket(bucket)
+            bucket, bucket_size = [], 0
+    if bucket:
+        _reduce_bucket(bucket)
+
+
+def _reduce_bucket(bucket: list[nn.Parameter]) -> None:
+    grads = [p.grad for p in bucket]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce_sum_(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def broadcast_buffers_(module: nn.Module, src: int = 0) -> None:
+    """Copy rank `src`'s buffers (e.g. BatchNorm running statistics) to every rank, in place.
+
+    DDP's rule for buffers is "rank 0's copy wins"; the engine calls this when it had to restore buffers
+    behind DDP's back.
+    """
+    if get_world_size() == 1:
+        return
+    for buf in module.buffers():
+        comm = communication_device(buf.device)
+        staged = buf.detach().to(comm)
+        dist.broadcast(staged, src=src)
+        if staged is not buf:
+            with torch.no_grad():
+                buf.copy_(staged)

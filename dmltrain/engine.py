@@ -1,0 +1,514 @@
+"""Exact global-batch gradients for non-decomposable ranking losses, in bounded memory.
+
+A listwise loss (FastAP, Smooth-AP, RLL) scores every query against the whole batch, so the batch cannot be
+split into independent pieces the way a classification loss can. The FastAP paper's large-batch
+heuristic (Sec. 4.1) still gets the exact gradient, because the loss only sees the embedding matrix:
+
+1. embed the local batch chunk by chunk without autograd, recording the RNG state of every chunk;
+2. all-gather embeddings and labels from every rank (local batches may differ in size);
+3. score the LOCAL queries against the GLOBAL gallery, normalise by the loss's GLOBAL count and take the
+   gradient with respect to the whole gathered matrix; sum that matrix gradient over ranks (every rank
+   contributes to every row) and keep the local rows: this is exactly dL/dE_local of the global batch;
+4. re-run every chunk with autograd, replaying its RNG state, and back-propagate its slice of dL/dE;
+5. make every rank hold the SUM of the per-rank parameter gradients, reduced exactly once per step.
+
+Memory therefore grows with the chunk, not with the batch, apart from the B x D embedding matrices.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.parallel import DistributedDataParallel
+
+from dmltrain.distributed import (
+    all_gather_sizes,
+    all_gather_uneven,
+    all_reduce_sum_,
+    broadcast_buffers_,
+    get_rank,
+    get_world_size,
+    sum_gradients_,
+)
+
+__all__ = ["StepResult", "chunked_backward", "default_autocast_dtype", "global_batch_step"]
+
+Preprocess = Callable[[Tensor], Tensor]
+
+
+class _PartsLoss(Protocol):
+    def parts(
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        ref_embeddings: Tensor | None = None,
+        ref_labels: Tensor | None = None,
+        query_index: Tensor | None = None,
+    ) -> Any: ...
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one global-batch step did; every field is the same on every rank.
+
+    `loss` is the global-batch loss (detached 0-d float32 tensor on the model's device). `num_queries`,
+    `num_valid` (queries that carried a signal) and `count` (the loss's normaliser) are global sums.
+    `comm_seconds` is wall time spent in the engine's own collectives, including waiting for slower
+    ranks; with DDP the gradient all-reduce runs inside the last backward and is counted in
+    `compute_seconds` (= total wall time of the step minus `comm_seconds`).
+    """
+
+    loss: Tensor
+    num_valid: int
+    num_queries: int
+    count: float
+    global_batch_size: int
+    local_batch_size: int
+    world_size: int
+    num_chunks: int
+    comm_seconds: float
+    compute_seconds: float
+
+
+def default_autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """bf16 autocast where it pays off (CUDA with bf16 support), None (full precision) elsewhere."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def chunked_backward(
+    model: nn.Module,
+    inputs: Tensor,
+    labels: Tensor,
+    loss_fn: nn.Module,
+    chunk_size: int,
+    *,
+    preprocess: Preprocess | None = None,
+    freeze_bn: bool = True,
+    autocast_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Accumulate into `.grad` the exact gradient of the global-batch loss; return that loss (detached).
+
+    Afterwards every rank's gradients equal those of one process running
+    `loss_fn(model(all_inputs), all_labels).backward()` on every rank's inputs concatenated in rank order,
+    whatever `chunk_size` and world size. See `global_batch_step` for the arguments.
+    """
+    return global_batch_step(
+        model,
+        inputs,
+        labels,
+        loss_fn,
+        chunk_size,
+        preprocess=preprocess,
+        freeze_bn=freeze_bn,
+        autocast_dtype=autocast_dtype,
+    ).loss
+
+
+def global_batch_step(
+    model: nn.Module,
+    inputs: Tensor,
+    labels: Tensor,
+    loss_fn: nn.Module,
+    chunk_size: int,
+    *,
+    preprocess: Preprocess | None = None,
+    freeze_bn: bool = True,
+    autocast_dtype: torch.dtype | None = None,
+) -> StepResult:
+    """One global-batch forward/backward in chunks of at most `chunk_size` local samples.
+
+    model: a plain module or a DDP wrapper; its output must be the (L2-normalised) embeddings (B, D). Runs
+        on the device of its parameters. A plain module under an initialised process group has its
+        gradients summed over ranks here; a DDP module syncs once, in the last chunk's backward.
+    inputs: this rank's batch (B, ...), any dtype and device (keep uint8 images on the host: each chunk
+        is moved to the device only when it is processed). labels: (B,) integer class labels.
+    loss_fn: a loss with `parts(...) -> LossParts` (see dmltrain.losses); in a single process any
+        callable `loss_fn(embeddings, labels) -> mean loss` also works.
+    preprocess: applied to every chunk on the device, e.g. uint8 -> normalised float.
+    freeze_bn: keep BatchNorm layers in eval mode while chunking (the papers' fine-tuning). With False,
+        training-mode BatchNorm normalises each chunk with that chunk's own statistics (so results depend
+        on chunk_size) and its running statistics are updated once per chunk, by the first pass only.
+    autocast_dtype: e.g. torch.bfloat16 to run the model under autocast (the loss stays in float32);
+        None runs in the model's own precision. `default_autocast_dtype(device)` picks a sensible value.
+    """
+    start = time.perf_counter()
+    ddp = model if isinstance(model, DistributedDataParallel) else None
+    net = ddp.module if ddp is not None else model
+    device = _device_of(net)
+    world, rank = get_world_size(), get_rank()
+    clock = _CommClock(device, enabled=world > 1)
+
+    problem = _check_local_inputs(inputs, labels, chunk_size)
+    with clock:
+        sizes = all_gather_sizes(-1 if problem else int(inputs.shape[0]), device)
+    if problem:
+        raise ValueError(f"rank {rank}: {problem}")
+    bad = [r for r, n in enumerate(sizes) if n <= 0]
+    if bad:
+        raise ValueError(f"ranks {bad} have an invalid or empty local batch (sizes {sizes}); see their logs")
+    local_n, global_n = sizes[rank], sum(sizes)
+    offset = sum(sizes[:rank])
+    bounds = [(s, min(s + chunk_size, local_n)) for s in range(0, local_n, chunk_size)]
+    # Decided from the sizes every rank knows, so all ranks take the same path (and the same collectives).
+    one_pass = max(sizes) <= chunk_size
+    labels = labels.to(device=device, dtype=torch.int64)
+    if not freeze_bn and world > 1 and not one_pass and _has_training_syncbn(net):
+        raise ValueError(
+            "freeze_bn=False with SyncBatchNorm needs one chunk per rank (ranks may run different numbers "
+            "of chunks, which would desynchronise its collectives): raise chunk_size or freeze BatchNorm"
+        )
+    reduce_manually = ddp is None and world > 1
+    params = [p for p in net.parameters() if p.requires_grad]
+    stashed = _stash_grads(params) if reduce_manually else None
+    # DDP averages over ranks; feeding it world x the local gradient makes that average the exact sum.
+    grad_scale = float(world) if ddp is not None else 1.0
+
+    with _batchnorm_frozen(net, freeze_bn):
+        load = _ChunkLoader(inputs, device, preprocess)
+        if one_pass:
+            with torch.enable_grad(), _autocast(device, autocast_dtype):
+                out = (ddp or net)(load(0, local_n))
+            embeddings = _as_embeddings(out, local_n).detach().to(_storage_dtype(out))
+        else:
+            rng_states, embeddings = _embed_without_grad(net, load, bounds, device, autocast_dtype)
+
+        grad, stats = _embedding_gradient(
+            loss_fn, embeddings, labels, sizes, offset, world, clock, grad_scale=grad_scale
+        )
+
+        if one_pass:
+            out.backward(grad.to(out.dtype))
+        else:
+            with _running_stats_updated_once(net, sync=ddp is not None and _ddp_syncs_buffers(ddp)):
+                _backward_chunks(ddp or net, ddp, load, bounds, rng_states, grad, device, autocast_dtype)
+
+    if reduce_manually:
+        with clock:
+            sum_gradients_(params)
+        _unstash_grads(params, stashed)
+
+    elapsed = time.perf_counter() - start
+    total, count, num_queries, num_valid = stats
+    loss = torch.tensor(total / count if count > 0 else 0.0, dtype=torch.float32, device=device)
+    return StepResult(
+        loss=loss,
+        num_valid=int(num_valid),
+        num_queries=int(num_queries),
+        count=float(count),
+        global_batch_size=global_n,
+        local_batch_size=local_n,
+        world_size=world,
+        num_chunks=len(bounds),
+        comm_seconds=clock.seconds,
+        compute_seconds=max(elapsed - clock.seconds, 0.0),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# pass 1, loss gradient, pass 2
+
+
+def _embed_without_grad(
+    net: nn.Module,
+    load: _ChunkLoader,
+    bounds: list[tuple[int, int]],
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+) -> tuple[list[_RngState], Tensor]:
+    """Embed chunk by chunk under no_grad, remembering each chunk's RNG state for the replay."""
+    states: list[_RngState] = []
+    embeddings: Tensor | None = None
+    total = bounds[-1][1]
+    with torch.no_grad():
+        for s, e in bounds:
+            states.append(_RngState.capture(device))
+            with _autocast(device, autocast_dtype):
+                out = net(load(s, e))
+            out = _as_embeddings(out, e - s)
+            if embeddings is None:
+                embeddings = torch.empty((total, out.shape[1]), dtype=_storage_dtype(out), device=device)
+            embeddings[s:e] = out
+    states.append(_RngState.capture(device))  # where the stream stands after one forward of the batch
+    assert embeddings is not None
+    return states, embeddings
+
+
+def _embedding_gradient(
+    loss_fn: nn.Module,
+    embeddings: Tensor,
+    labels: Tensor,
+    sizes: list[int],
+    offset: int,
+    world: int,
+    clock: _CommClock,
+    *,
+    grad_scale: float,
+) -> tuple[Tensor, tuple[float, float, float, float]]:
+    """dL/dE for this rank's rows of the global batch, plus global (total, count, queries, valid)."""
+    n = embeddings.shape[0]
+    with clock:
+        gallery = all_gather_uneven(embeddings, sizes)
+        gallery_labels = all_gather_uneven(labels, sizes)
+    if not torch.isfinite(gallery).all():
+        rows = torch.nonzero(~torch.isfinite(gallery).all(dim=1)).flatten()
+        owners = sorted({_owner(int(r), sizes) for r in rows})
+        raise FloatingPointError(f"non-finite embeddings from rank(s) {owners}: the model output has NaN/inf")
+
+    with torch.enable_grad():
+        ref = gallery.detach().requires_grad_(True)
+        queries = ref[offset : offset + n]
+        has_parts = callable(getattr(loss_fn, "parts", None))
+        if has_parts:
+            query_index = torch.arange(offset, offset + n, device=ref.device)
+            parts = loss_fn.parts(
+                queries, labels, ref_embeddings=ref, ref_labels=gallery_labels, query_index=query_index
+            )
+            total, count = parts.total, parts.count
+            local_stats = [
+                total.detach().double(),
+                torch.as_tensor(count).detach().double().to(ref.device),
+                torch.tensor(float(parts.num_queries), dtype=torch.float64, device=ref.device),
+                torch.tensor(float(parts.num_valid), dtype=torch.float64, device=ref.device),
+            ]
+        elif world == 1:
+            total = loss_fn(queries, labels)
+            count = torch.ones((), dtype=torch.float64, device=ref.device)
+            local_stats = [total.detach().double(), count, count * n, count * n]
+        else:
+            raise TypeError(
+                f"{type(loss_fn).__name__} has no parts(); across ranks the engine needs the LossParts "
+                "contract (dmltrain.losses) to normalise by the global count"
+            )
+        stats = torch.stack(local_stats).reshape(4)
+        with clock:
+            all_reduce_sum_(stats)
+        global_count = float(stats[1])
+        objective = total / (global_count if global_count > 0 else 1.0)
+        if grad_scale != 1.0:
+            objective = objective * grad_scale
+        grad = None
+        if objective.requires_grad:
+            (grad,) = torch.autograd.grad(objective, ref, allow_unused=True)
+        if grad is None:  # no term depended on the embeddings: the exact gradient is zero
+            grad = torch.zeros_like(ref)
+    with clock:
+        all_reduce_sum_(grad)
+    if not torch.isfinite(grad).all():
+        raise FloatingPointError(f"{type(loss_fn).__name__} produced a non-finite embedding gradient")
+    g_total, g_count, g_queries, g_valid = (float(v) for v in stats.tolist())
+    return grad[offset : offset + n], (g_total, g_count, g_queries, g_valid)
+
+
+def _backward_chunks(
+    model: nn.Module,
+    ddp: DistributedDataParallel | None,
+    load: _ChunkLoader,
+    bounds: list[tuple[int, int]],
+    rng_states: list[_RngState],
+    grad: Tensor,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+) -> None:
+    """Re-run every chunk with autograd under its recorded RNG state and back-propagate its grad slice.
+
+    Under DDP only the last chunk's backward synchronises; ranks may run different numbers of chunks.
+    """
+    try:
+        for i, (s, e) in enumerate(bounds):
+            last = i == len(bounds) - 1
+            rng_states[i].restore(device)
+            with ddp.no_sync() if ddp is not None and not last else nullcontext():
+                with torch.enable_grad(), _autocast(device, autocast_dtype):
+                    out = model(load(s, e))
+                out = _as_embeddings(out, e - s)
+                out.backward(grad[s:e].to(out.dtype))
+    finally:
+        rng_states[-1].restore(device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers
+
+
+class _ChunkLoader:
+    """Moves one chunk of the (possibly host-side, uint8) batch to the device and preprocesses it."""
+
+    def __init__(self, inputs: Tensor, device: torch.device, preprocess: Preprocess | None) -> None:
+        self.inputs, self.device, self.preprocess = inputs, device, preprocess
+
+    def __call__(self, start: int, end: int) -> Tensor:
+        x = self.inputs[start:end].to(self.device, non_blocking=True)
+        if self.preprocess is not None:
+            with torch.no_grad():
+                x = self.preprocess(x)
+        return x
+
+
+@dataclass
+class _RngState:
+    cpu: Tensor
+    cuda: Tensor | None
+
+    @classmethod
+    def capture(cls, device: torch.device) -> _RngState:
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return cls(torch.get_rng_state(), cuda)
+
+    def restore(self, device: torch.device) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, device)
+
+
+class _CommClock:
+    """Accumulates wall time spent in collectives (synchronising CUDA so queued compute is not counted)."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.device, self.enabled, self.seconds = device, enabled, 0.0
+        self._t0 = 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __enter__(self) -> _CommClock:
+        if self.enabled:
+            self._sync()
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self._sync()
+            self.seconds += time.perf_counter() - self._t0
+
+
+def _check_local_inputs(inputs: Tensor, labels: Tensor, chunk_size: int) -> str | None:
+    """Describe what is wrong with this rank's arguments (None if nothing), without raising yet.
+
+    The caller first tells every rank through the size gather, so all of them fail instead of hanging.
+    """
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        return f"chunk_size must be a positive int, got {chunk_size!r}"
+    if not isinstance(inputs, Tensor) or inputs.dim() < 1:
+        return f"inputs must be a tensor with a batch dimension, got {type(inputs).__name__}"
+    if not isinstance(labels, Tensor) or labels.dim() != 1:
+        return f"labels must be a 1-D tensor, got shape {tuple(getattr(labels, 'shape', ()))}"
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        return f"labels must be integer class ids, got dtype {labels.dtype}"
+    if labels.shape[0] != inputs.shape[0]:
+        return f"labels has {labels.shape[0]} entries but inputs has {inputs.shape[0]} samples"
+    if inputs.shape[0] == 0:
+        return "the local batch is empty"
+    return None
+
+
+def _as_embeddings(out: Any, rows: int) -> Tensor:
+    if not isinstance(out, Tensor) or out.dim() != 2 or out.shape[0] != rows:
+        shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise TypeError(f"the model must return embeddings of shape ({rows}, D), got {shape}")
+    return out
+
+
+def _storage_dtype(out: Tensor) -> torch.dtype:
+    """float32 for reduced-precision outputs (the loss works in float32), the output's dtype otherwise."""
+    return torch.promote_types(out.dtype, torch.float32)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def _owner(row: int, sizes: list[int]) -> int:
+    for rank, n in enumerate(sizes):
+        if row < n:
+            return rank
+        row -= n
+    return len(sizes) - 1
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@contextmanager
+def _batchnorm_frozen(net: nn.Module, freeze: bool) -> Iterator[None]:
+    """Put training-mode BatchNorm layers in eval mode for the step and back afterwards."""
+    frozen = [m for m in net.modules() if isinstance(m, _BatchNorm) and m.training] if freeze else []
+    for m in frozen:
+        m.train(False)
+    try:
+        yield
+    finally:
+        for m in frozen:
+            m.train(True)
+
+
+@contextmanager
+def _running_stats_updated_once(net: nn.Module, sync: bool) -> Iterator[None]:
+    """Undo the second pass's running-statistics update, so each chunk updates them once, as in pass 1.
+
+    DDP broadcasts rank 0's buffers at the start of its first forward; restoring behind its back would let
+    ranks drift apart, so under DDP rank 0's restored buffers are broadcast again (DDP's own rule).
+    """
+    norms = [
+        m
+        for m in net.modules()
+        if isinstance(m, _NormBase) and m.training and m.track_running_stats and m.running_mean is not None
+    ]
+    saved = [[b.detach().clone() for b in _norm_buffers(m)] for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, bufs in zip(norms, saved, strict=True):
+                for b, s in zip(_norm_buffers(m), bufs, strict=True):
+                    b.copy_(s)
+    if norms and sync:
+        broadcast_buffers_(net)
+
+
+def _norm_buffers(m: _NormBase) -> list[Tensor]:
+    return [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+
+
+def _has_training_syncbn(net: nn.Module) -> bool:
+    return any(isinstance(m, nn.SyncBatchNorm) and m.training for m in net.modules())
+
+
+def _ddp_syncs_buffers(ddp: DistributedDataParallel) -> bool:
+    return bool(getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True)))
+
+
+def _stash_grads(params: list[nn.Parameter]) -> list[Tensor | None]:
+    """Set gradients aside so the cross-rank sum covers only this step's contribution."""
+    stashed = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return stashed
+
+
+def _unstash_grads(params: list[nn.Parameter], stashed: list[Tensor | None] | None) -> None:
+    assert stashed is not None
+    for p, old in zip(params, stashed, strict=True):
+        if old is None:
+            continue
+        if p.grad is None:
+            p.grad = old
+        else:
+            p.grad.add_(old)
