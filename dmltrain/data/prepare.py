@@ -1,0 +1,411 @@
+"""Turn a converter's `SourceDataset` into tar shards plus `dataset.json`, safely and reproducibly.
+
+Layout decisions that the samplers rely on:
+- images of one class are written next to each other in groups of at most `group_size`, so a stream
+  reader sees several images of a class at once and can batch P x K with a small buffer;
+- each category's groups are dealt round-robin over the split's shards, so every shard (and therefore
+  every rank) holds some classes of most categories, which lets all ranks serve the same category pair;
+- a shard appears only when complete (temporary file + rename) and `dataset.json` is written last, so a
+  directory with `dataset.json` is complete; an interrupted run resumes from its finished shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from dmltrain.data.datasets.base import SourceDataset, SourceItem, natural_key
+from dmltrain.data.images import ImageError, checked_image
+from dmltrain.data.metadata import (
+    METADATA_NAME,
+    DatasetInfo,
+    ShardInfo,
+    SkippedFile,
+    SplitInfo,
+)
+from dmltrain.data.shards import ShardEntry, ShardRecord, write_shard
+
+PROGRESS_NAME = ".dmltrain-prepare.json"
+LOCK_NAME = ".dmltrain.lock"
+_SHARD_RE = re.compile(r"^(?P<split>[\w.]+)-\d{5}\.tar$")
+
+
+@contextlib.contextmanager
+def directory_lock(out_dir: Path) -> Iterator[None]:
+    """Exclusive lock on `out_dir` so two processes preparing the same data do not interleave."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / LOCK_NAME, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def auto_shard_size(num_items: int) -> int:
+    """About 64 shards per split (enough for 8 ranks x 8 loader workers), 64..2000 images each."""
+    return int(min(2000, max(64, math.ceil(num_items / 64))))
+
+
+def prepare_dataset(
+    scan: Callable[[], SourceDataset],
+    out_dir: str | Path,
+    *,
+    source_format: str,
+    source_desc: str,
+    shard_size: int | None = None,
+    group_size: int = 32,
+    seed: int = 0,
+    resize: int | None = None,
+    workers: int = 1,
+    force: bool = False,
+    progress: bool = True,
+    reuse_if: Callable[[DatasetInfo], bool] | None = None,
+) -> DatasetInfo:
+    """Write shards and `dataset.json` into `out_dir`; a no-op when an identical build is already there.
+
+    `scan` runs under the directory lock, after `reuse_if(existing info)` had its chance to skip it.
+    """
+    out = Path(out_dir)
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    with directory_lock(out):
+        existing = out / METADATA_NAME
+        if existing.is_file() and not force and reuse_if is not None:
+            old = DatasetInfo.model_validate(json.loads(existing.read_text()))
+            if reuse_if(old):
+                return old
+        source = scan()
+        fingerprint = _fingerprint(source, source_format, shard_size, group_size, seed, resize)
+        if existing.is_file() and not force:
+            old = DatasetInfo.model_validate(json.loads(existing.read_text()))
+            if old.fingerprint == fingerprint:
+                images = sum(s.num_samples for s in old.splits.values())
+                _say(progress, f"{out}: up to date ({images} images)")
+                return old
+        class_ids, category_ids = _label_ids(source)
+        plans = _plan_shards(source, class_ids, category_ids, shard_size, group_size, seed)
+        records = _write_all(out, plans, fingerprint, resize, workers, progress)
+        info = _build_info(source, source_format, source_desc, fingerprint, class_ids, category_ids, records)
+        _report(info, progress)
+        tmp = out / f"{METADATA_NAME}.tmp-{os.getpid()}"
+        tmp.write_text(info.model_dump_json(indent=1))
+        os.replace(tmp, existing)
+        _remove_stale(out, {s.name for split in info.splits.values() for s in split.shards})
+        (out / PROGRESS_NAME).unlink(missing_ok=True)
+        return info
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(message, file=sys.stderr)
+
+
+def _fingerprint(
+    source: SourceDataset,
+    source_format: str,
+    shard_size: int | None,
+    group_size: int,
+    seed: int,
+    resize: int | None,
+) -> str:
+    """Hash of everything that determines the output, including each source file's size and mtime."""
+    digest = hashlib.sha256()
+    head = [source_format, source.name, shard_size, group_size, seed, resize, source.options]
+    digest.update(json.dumps(head, sort_keys=True, default=str).encode())
+    for item in source.items:
+        if item.data is not None:
+            stamp = hashlib.sha1(item.data).hexdigest()
+        elif item.file is not None:
+            try:
+                st = item.file.stat()
+                stamp = f"{st.st_size}:{st.st_mtime_ns}"
+            except OSError:
+                stamp = "missing"
+        else:
+            stamp = "none"
+        digest.update(f"{item.split}\0{item.class_name}\0{item.category}\0{item.path}\0{stamp}\n".encode())
+    return digest.hexdigest()
+
+
+def _label_ids(source: SourceDataset) -> tuple[dict[str, int], dict[str, int]]:
+    """Class ids in split order then natural name order; category ids in natural name order."""
+    rank = {s: i for i, s in enumerate(source.split_order)}
+    first_split: dict[str, int] = {}
+    categories: set[str] = set()
+    for item in source.items:
+        if item.split not in rank:
+            raise ValueError(f"item {item.path} has split {item.split!r}, not in {source.split_order}")
+        first_split[item.class_name] = min(first_split.get(item.class_name, 99), rank[item.split])
+        if item.category is not None:
+            categories.add(item.category)
+    classes = sorted(first_split, key=lambda c: (first_split[c], natural_key(c)))
+    ordered_categories = sorted(categories, key=natural_key)
+    return {c: i for i, c in enumerate(classes)}, {c: i for i, c in enumerate(ordered_categories)}
+
+
+def _plan_shards(
+    source: SourceDataset,
+    class_ids: dict[str, int],
+    category_ids: dict[str, int],
+    shard_size: int | None,
+    group_size: int,
+    seed: int,
+) -> list[tuple[str, str, list[tuple[str, SourceItem, int, int]]]]:
+    """[(split, shard name, [(key, item, class id, category id)])] - deterministic, before reading data."""
+    by_split: dict[str, dict[int, list[SourceItem]]] = defaultdict(lambda: defaultdict(list))
+    for item in source.items:
+        by_split[item.split][class_ids[item.class_name]].append(item)
+    plans = []
+    for split_index, split in enumerate(source.split_order):
+        classes = by_split.get(split)
+        if not classes:
+            continue
+        rng = np.random.default_rng([seed, split_index])
+        groups_by_category: dict[int, list[list[SourceItem]]] = defaultdict(list)
+        for cls in sorted(classes):
+            items = sorted(classes[cls], key=lambda it: natural_key(it.path))
+            category = -1 if items[0].category is None else category_ids[items[0].category]
+            parts = math.ceil(len(items) / group_size)
+            for chunk in np.array_split(np.arange(len(items)), parts):
+                groups_by_category[category].append([items[i] for i in chunk])
+        total = sum(len(c) for c in classes.values())
+        num_shards = max(1, math.ceil(total / (shard_size or auto_shard_size(total))))
+        shards: list[list[list[SourceItem]]] = [[] for _ in range(num_shards)]
+        cursor = 0
+        for category in sorted(groups_by_category):
+            groups = groups_by_category[category]
+            for g in rng.permutation(len(groups)):
+                shards[cursor % num_shards].append(groups[g])
+                cursor += 1
+        counter = 0
+        for index, shard_groups in enumerate(shards):
+            entries = []
+            for g in rng.permutation(len(shard_groups)):
+                for item in shard_groups[g]:
+                    cls = class_ids[item.class_name]
+                    category = -1 if item.category is None else category_ids[item.category]
+                    entries.append((f"{split}_{counter:08d}", item, cls, category))
+                    counter += 1
+            plans.append((split, f"{split}-{index:05d}.tar", entries))
+    return plans
+
+
+def _write_all(
+    out: Path,
+    plans: list[tuple[str, str, list[tuple[str, SourceItem, int, int]]]],
+    fingerprint: str,
+    resize: int | None,
+    workers: int,
+    progress: bool,
+) -> dict[str, list[ShardRecord]]:
+    """Write every planned shard (reusing those an interrupted run with the same inputs finished)."""
+    done = _load_progress(out, fingerprint)
+    todo = [p for p in plans if not (p[1] in done and (out / p[1]).is_file())]
+    total = sum(len(p[2]) for p in todo)
+    bar = tqdm(total=total, unit="img", desc=f"writing {out.name}", disable=not progress, file=sys.stderr)
+
+    def finish(record: ShardRecord) -> None:
+        for skip in record.skipped:
+            bar.write(f"skipped {skip['path']} ({skip['split']}): {skip['reason']}", file=sys.stderr)
+        done[record.name] = record
+        _save_progress(out, fingerprint, done)
+        bar.update(record.num_samples + len(record.skipped))
+
+    try:
+        if workers > 1 and len(todo) > 1:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                futures = [
+                    pool.submit(_write_one, str(out), s, name, entries, resize) for s, name, entries in todo
+                ]
+                for future in futures:
+                    finish(future.result())
+        else:
+            for split, name, entries in todo:
+                finish(_write_one(str(out), split, name, entries, resize))
+    finally:
+        bar.close()
+    records: dict[str, list[ShardRecord]] = defaultdict(list)
+    for split, name, _ in plans:
+        records[split].append(done[name])
+    return records
+
+
+def _write_one(
+    out: str, split: str, name: str, entries: list[tuple[str, SourceItem, int, int]], resize: int | None
+) -> ShardRecord:
+    record = ShardRecord(name=name)
+    written = []
+    for key, item, cls, category in entries:
+        try:
+            raw = item.data if item.data is not None else _read_file(item)
+            data, ext = checked_image(raw, resize)
+        except (OSError, ImageError) as exc:
+            record.skipped.append({"path": item.path, "split": split, "reason": str(exc)})
+            continue
+        meta = {"path": item.path, "split": split, "class": item.class_name, "category": item.category}
+        meta.update(item.meta)
+        written.append(ShardEntry(key, data, ext, cls, category, meta))
+        record.class_counts[cls] += 1
+        record.category_counts[category] += 1
+    record.num_samples = len(written)
+    write_shard(os.path.join(out, name), written)
+    return record
+
+
+def _read_file(item: SourceItem) -> bytes:
+    if item.file is None:
+        raise ImageError("no file and no data")
+    try:
+        return item.file.read_bytes()
+    except FileNotFoundError as exc:
+        raise ImageError("file not found") from exc
+    except OSError as exc:
+        raise ImageError(f"unreadable: {exc}") from exc
+
+
+def _load_progress(out: Path, fingerprint: str) -> dict[str, ShardRecord]:
+    path = out / PROGRESS_NAME
+    if not path.is_file():
+        return {}
+    try:
+        state = json.loads(path.read_text())
+    except ValueError:
+        return {}
+    if state.get("fingerprint") != fingerprint:
+        return {}
+    return {
+        name: ShardRecord(
+            name=name,
+            num_samples=r["num_samples"],
+            class_counts=Counter({int(k): v for k, v in r["class_counts"].items()}),
+            category_counts=Counter({int(k): v for k, v in r["category_counts"].items()}),
+            skipped=r["skipped"],
+        )
+        for name, r in state["shards"].items()
+    }
+
+
+def _save_progress(out: Path, fingerprint: str, done: dict[str, ShardRecord]) -> None:
+    state: dict[str, Any] = {"fingerprint": fingerprint, "shards": {}}
+    for name, r in done.items():
+        state["shards"][name] = {
+            "num_samples": r.num_samples,
+            "class_counts": {str(k): v for k, v in r.class_counts.items()},
+            "category_counts": {str(k): v for k, v in r.category_counts.items()},
+            "skipped": r.skipped,
+        }
+    tmp = out / f"{PROGRESS_NAME}.tmp"
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, out / PROGRESS_NAME)
+
+
+def _build_info(
+    source: SourceDataset,
+    source_format: str,
+    source_desc: str,
+    fingerprint: str,
+    class_ids: dict[str, int],
+    category_ids: dict[str, int],
+    records: dict[str, list[ShardRecord]],
+) -> DatasetInfo:
+    listed: dict[str, set[int]] = defaultdict(set)
+    class_category = [-1] * len(class_ids)
+    for item in source.items:
+        cls = class_ids[item.class_name]
+        listed[item.split].add(cls)
+        if item.category is not None:
+            class_category[cls] = category_ids[item.category]
+    splits = {}
+    skipped = []
+    for split in source.split_order:
+        if split not in records:
+            continue
+        counts: Counter[int] = Counter()
+        shards = []
+        for r in records[split]:
+            counts.update(r.class_counts)
+            skipped.extend(SkippedFile(**s) for s in r.skipped)
+            shards.append(
+                ShardInfo(
+                    name=r.name,
+                    num_samples=r.num_samples,
+                    class_counts=sorted(r.class_counts.items()),
+                    category_counts=sorted(r.category_counts.items()) if category_ids else [],
+                )
+            )
+        categories = {class_category[c] for c in counts} - {-1}
+        splits[split] = SplitInfo(
+            num_samples=sum(counts.values()),
+            num_classes=len(counts),
+            num_categories=len(categories),
+            shards=shards,
+            singleton_classes=sorted(c for c, n in counts.items() if n == 1),
+            empty_classes=sorted(listed[split] - set(counts)),
+        )
+    return DatasetInfo(
+        name=source.name,
+        source_format=source_format,
+        source=source_desc,
+        fingerprint=fingerprint,
+        splits=splits,
+        class_names=sorted(class_ids, key=class_ids.__getitem__),
+        class_to_category=class_category,
+        category_names=sorted(category_ids, key=category_ids.__getitem__),
+        evaluations=source.evaluations,
+        recall_ks=source.recall_ks,
+        sampling_hints=source.sampling_hints,
+        skipped=skipped,
+        notes=source.notes,
+    )
+
+
+def _report(info: DatasetInfo, progress: bool) -> None:
+    """Say loudly what would otherwise be easy to miss: skipped files, singleton and empty classes."""
+    for name, split in info.splits.items():
+        _say(
+            progress,
+            f"{name}: {split.num_samples} images, {split.num_classes} classes, "
+            f"{split.num_categories} categories, {len(split.shards)} shards",
+        )
+        if split.singleton_classes:
+            shown = ", ".join(info.class_names[c] for c in split.singleton_classes[:10])
+            print(
+                f"WARNING: {name}: {len(split.singleton_classes)} class(es) have a single image "
+                f"(no positive for retrieval; train samplers skip them): {shown}"
+                + (" ..." if len(split.singleton_classes) > 10 else ""),
+                file=sys.stderr,
+            )
+        if split.empty_classes:
+            print(
+                f"WARNING: {name}: {len(split.empty_classes)} class(es) lost every image to skipped files",
+                file=sys.stderr,
+            )
+    if info.skipped:
+        print(
+            f"WARNING: skipped {len(info.skipped)} unreadable image(s); listed in dataset.json 'skipped'",
+            file=sys.stderr,
+        )
+
+
+def _remove_stale(out: Path, keep: set[str]) -> None:
+    """Delete shards of an earlier build that the new build no longer lists (only our own file names)."""
+    for path in out.iterdir():
+        if _SHARD_RE.match(path.name) and path.name not in keep:
+            path.unlink()
+        elif ".tar.tmp-" in path.name:
+            path.unlink(missing_ok=True)
