@@ -556,6 +556,19 @@ def _arg_value(args: list[str], flag: str) -> str | None:
     return value
 
 
+# MLflow's default when --allowed-hosts is not given: loopback names and private IP ranges, so a Service
+# DNS name such as mlflow.<namespace>.svc.cluster.local is refused.
+MLFLOW_DEFAULT_ALLOWED_HOSTS = [
+    "localhost",
+    "127.0.0.1",
+    "localhost:*",
+    "127.0.0.1:*",
+    "10.*",
+    "192.168.*",
+    *(f"172.{n}.*" for n in range(16, 32)),
+]
+
+
 def host_allowed(allowed: list[str], host: str) -> bool:
     """MLflow's Host check (mlflow.server.security_utils.is_allowed_host_header): glob if it has `*`."""
     return "*" in allowed or any(
@@ -605,15 +618,16 @@ def check_mlflow(docs: list[Doc]) -> list[str]:
     if url.port not in {p.get("port") for p in service["spec"].get("ports") or []}:
         problems.append(f"MLFLOW_TRACKING_URI {uri!r} uses a port the Service does not expose")
     allowed = [h.strip() for h in (_arg_value(args, "--allowed-hosts") or "").split(",") if h.strip()]
+    allowed = allowed or MLFLOW_DEFAULT_ALLOWED_HOSTS
     for host in (url.netloc, "localhost:5000", "127.0.0.1:5000"):
-        if allowed and not host_allowed(allowed, host):
+        if not host_allowed(allowed, host):
             problems.append(f"MLflow --allowed-hosts rejects Host {host!r}; its clients would get 403")
     return problems
 
 
 def check_manifests(docs: list[Doc], repo: Path, ray_version: str, project_version: str) -> list[str]:
     problems: list[str] = []
-    namespaces = set()
+    namespaces: set[str | None] = set()
     for doc in docs:
         kind, metadata = doc.get("kind"), doc.get("metadata") or {}
         if not kind or not doc.get("apiVersion") or not metadata.get("name"):
@@ -668,13 +682,21 @@ def check_ray_up(config: Doc, image: str, num_workers: int, cpus_per_worker: flo
     types = config.get("available_node_types") or {}
     if config.get("head_node_type") not in types:
         problems.append(f"head_node_type {config.get('head_node_type')!r} is not an available node type")
-    slots = 0
-    for name, node_type in types.items():
-        if name == config.get("head_node_type"):
-            continue
-        resources = node_type.get("resources") or {}
-        per_node = worker_slots(int(resources.get("GPU", 0)), float(resources.get("CPU", 0)), cpus_per_worker)
-        slots += per_node * int(node_type.get("max_workers", 0))
+    # The autoscaler launches at most max_workers VMs in all; count the roomiest node types first.
+    capacity = sorted(
+        (
+            worker_slots(
+                int(t["resources"].get("GPU", 0)), float(t["resources"].get("CPU", 0)), cpus_per_worker
+            ),
+            int(t.get("max_workers", 0)),
+        )
+        for name, t in types.items()
+        if name != config.get("head_node_type")
+    )
+    slots, nodes_left = 0, int(config.get("max_workers", 0))
+    for per_node, type_max in reversed(capacity):
+        nodes = min(type_max, nodes_left)
+        slots, nodes_left = slots + per_node * nodes, nodes_left - nodes
     if slots < num_workers:
         problems.append(
             f"ray up worker types fit {slots} GPU training workers, the config asks {num_workers}"
@@ -796,6 +818,17 @@ def _worker_container(spec: Doc) -> Doc:
     return _worker(spec)["template"]["spec"]["containers"][0]
 
 
+def _mlflow_container(docs: list[Doc]) -> Doc:
+    doc = _find(docs, "Deployment", "mlflow")
+    assert doc is not None
+    return doc["spec"]["template"]["spec"]["containers"][0]
+
+
+def _drop_allowed_hosts(docs: list[Doc]) -> None:
+    container = _mlflow_container(docs)
+    container["args"] = [a for a in container["args"] if not a.startswith("--allowed-hosts")]
+
+
 def _set_entrypoint_config(docs: list[Doc], config: str) -> None:
     entry = parse_entrypoint(_job(docs)["entrypoint"])
     _job(docs)["entrypoint"] = " ".join(["python", "-m", "dmltrain.run", config, *entry.overrides])
@@ -889,16 +922,17 @@ MANIFEST_MUTATIONS: list[tuple[str, Callable[[list[Doc]], None], str]] = [
     ),
     (
         "MLflow allowed hosts",
-        lambda d: _find(d, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"].append(
-            "--allowed-hosts=localhost"
-        ),
+        lambda d: _mlflow_container(d)["args"].append("--allowed-hosts=localhost"),
         "rejects Host",
     ),
     (
+        "MLflow default allowed hosts",
+        _drop_allowed_hosts,
+        "rejects Host 'mlflow.dmltrain.svc.cluster.local:5000'",
+    ),
+    (
         "MLflow local artifacts",
-        lambda d: _find(d, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"].append(
-            "--artifacts-destination=/mlartifacts"
-        ),
+        lambda d: _mlflow_container(d)["args"].append("--artifacts-destination=/mlartifacts"),
         "object store",
     ),
     (
@@ -956,6 +990,7 @@ def test_ray_up_config_validates_against_rays_schema(docs: list[Doc]) -> None:
         (lambda c: c["docker"].update(image="rayproject/ray:2.60.0-gpu"), "docker.image"),
         (lambda c: c.update(head_node_type="nope"), "head_node_type"),
         (lambda c: c["available_node_types"]["gpu_worker"].update(max_workers=1), "fit 4"),
+        (lambda c: c.update(max_workers=1), "fit 4"),
     ],
 )
 def test_ray_up_checker_catches(docs: list[Doc], mutate: Callable[[Doc], None], expected: str) -> None:
