@@ -29,6 +29,8 @@ import jsonschema
 import pytest
 import yaml
 
+from dmltrain.config import ConfigError, load_config
+
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
@@ -142,6 +144,7 @@ def copied_sources(instructions: list[Instruction]) -> list[tuple[str, str]]:
 
 
 def check_dockerfile(text: str) -> list[str]:
+    """Problems with the image recipe: pinning, user, install, what Ray and KubeRay expect inside."""
     instructions = parse_dockerfile(text)
     problems: list[str] = []
     args = _arg_defaults(instructions)
@@ -265,6 +268,7 @@ MUST_STAY_OUT = (
 
 
 def check_dockerignore(ignore_text: str, dockerfile_text: str, repo: Path) -> list[str]:
+    """Local state must stay out of the build context; everything the Dockerfile copies must get in."""
     ignored = dockerignore_matcher(ignore_text)
     problems = [f"{p} would be sent to the Docker build context" for p in MUST_STAY_OUT if not ignored(p)]
     for src, _ in copied_sources(parse_dockerfile(dockerfile_text)):
@@ -383,6 +387,7 @@ def _check_volumes(where: str, pod: Doc, docs: list[Doc]) -> tuple[list[str], di
 
 
 def check_ray_cluster_spec(where: str, spec: Doc, docs: list[Doc], ray_version: str) -> list[str]:
+    """The RayCluster fields KubeRay requires or validates, plus what a dmltrain run needs on every pod."""
     problems: list[str] = []
     if str(spec.get("rayVersion")) != ray_version:
         problems.append(f"{where}: rayVersion {spec.get('rayVersion')!r} != image's Ray {ray_version}")
@@ -453,6 +458,7 @@ def cluster_images(docs: list[Doc]) -> dict[str, str]:
 
 
 def check_images(images: dict[str, str], project_version: str) -> list[str]:
+    """One pinned image, of this release, on every node: Ray refuses mixed versions, code must match."""
     problems = [f"{where}: {pin}" for where, ref in images.items() if (pin := image_pin_problem(ref))]
     distinct = sorted(set(images.values()))
     if len(distinct) != 1:
@@ -482,8 +488,7 @@ def worker_slots(gpus: int, cpus: float, cpus_per_worker: float) -> int:
 
 
 def check_rayjob(job: Doc, docs: list[Doc], repo: Path) -> list[str]:
-    from dmltrain.config import ConfigError, load_config
-
+    """The job's config exists and validates, resumes on resubmission, and fits the cluster it creates."""
     where = _name(job)
     spec = job.get("spec") or {}
     problems: list[str] = []
@@ -577,6 +582,7 @@ def host_allowed(allowed: list[str], host: str) -> bool:
 
 
 def check_mlflow(docs: list[Doc]) -> list[str]:
+    """The server keeps secrets in Secrets, artifacts in an object store, and accepts its own clients."""
     problems: list[str] = []
     deployment = _find(docs, "Deployment", "mlflow")
     service = _find(docs, "Service", "mlflow")
@@ -626,6 +632,7 @@ def check_mlflow(docs: list[Doc]) -> list[str]:
 
 
 def check_manifests(docs: list[Doc], repo: Path, ray_version: str, project_version: str) -> list[str]:
+    """Every check of cluster/kubernetes/ at once."""
     problems: list[str] = []
     namespaces: set[str | None] = set()
     for doc in docs:
@@ -670,6 +677,7 @@ def ray_schema() -> Doc:
 
 
 def check_ray_up(config: Doc, image: str, num_workers: int, cpus_per_worker: float) -> list[str]:
+    """Ray's own schema, then the image and the GPU capacity the run needs."""
     problems = [
         f"schema: {e.message} at {'/'.join(map(str, e.absolute_path)) or '<root>'}"
         for e in jsonschema.Draft7Validator(ray_schema()).iter_errors(config)
@@ -961,8 +969,6 @@ def test_manifest_checker_catches(
 
 
 def _ray_up_inputs(docs: list[Doc]) -> tuple[str, int, float]:
-    from dmltrain.config import load_config
-
     entry = parse_entrypoint(_job(docs)["entrypoint"])
     config = load_config(REPO / entry.config, entry.overrides)
     return (
