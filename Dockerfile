@@ -46,14 +46,15 @@ RUN set -eux; \
     command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python
 
 # Install dmltrain (not editable: the image is a release) with the gpu extra: faiss-gpu instead of
-# faiss-cpu. One resolve, with the pins above as constraints.
+# faiss-cpu. One resolve, with the pins above as constraints. s3fs lets fsspec read s3:// shards
+# (data.root) on VM clusters; Ray writes s3:// checkpoints through pyarrow on its own.
 COPY pyproject.toml README.md /tmp/dmltrain-src/
 COPY dmltrain /tmp/dmltrain-src/dmltrain
 RUN set -eux; \
     printf 'ray==%s\ntorch==%s\ntorchvision==%s\n' "$RAY_VERSION" "$TORCH_VERSION" "$TORCHVISION_VERSION" \
         > /tmp/constraints.txt; \
     cd /tmp/dmltrain-src; \
-    python -m pip install --constraint /tmp/constraints.txt ".[gpu]"; \
+    python -m pip install --constraint /tmp/constraints.txt ".[gpu]" s3fs; \
     cd /; \
     rm -rf /tmp/dmltrain-src /tmp/constraints.txt; \
     ray --version; \
