@@ -46,15 +46,16 @@ RUN set -eux; \
     command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python
 
 # Install dmltrain (not editable: the image is a release) with the gpu extra: faiss-gpu instead of
-# faiss-cpu. One resolve, with the pins above as constraints. s3fs lets fsspec read s3:// shards
-# (data.root) on VM clusters; Ray writes s3:// checkpoints through pyarrow on its own.
+# faiss-cpu. One resolve, with the pins above as constraints. For VM clusters (`ray up` on AWS): s3fs lets
+# fsspec read s3:// shards (data.root), and boto3 is what the head's autoscaler launches workers with;
+# resolving them here keeps boto3 and s3fs's botocore pin consistent. Ray writes s3:// checkpoints itself.
 COPY pyproject.toml README.md /tmp/dmltrain-src/
 COPY dmltrain /tmp/dmltrain-src/dmltrain
 RUN set -eux; \
     printf 'ray==%s\ntorch==%s\ntorchvision==%s\n' "$RAY_VERSION" "$TORCH_VERSION" "$TORCHVISION_VERSION" \
         > /tmp/constraints.txt; \
     cd /tmp/dmltrain-src; \
-    python -m pip install --constraint /tmp/constraints.txt ".[gpu]" s3fs; \
+    python -m pip install --constraint /tmp/constraints.txt ".[gpu]" s3fs boto3; \
     cd /; \
     rm -rf /tmp/dmltrain-src /tmp/constraints.txt; \
     ray --version; \
