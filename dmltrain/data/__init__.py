@@ -1,0 +1,30 @@
+"""Data: WebDataset shards, dataset converters, class-level sampling on streams, transforms.
+
+Public entry points (import from here):
+- `load_dataset_info(root) -> DatasetInfo` reads `dataset.json`;
+- `ensure_glyphs(out_dir) -> Path` builds the embedded glyph data set on first use;
+- `TrainLoader(root, batch_size, sampler, rank=..., world_size=...)` sampled training batches;
+- `EvalLoader(root, split, batch_size, rank=..., world_size=...)` a rank's part of a split;
+- `train_transform(...)`, `test_transform(...)`, `SamplerSpec(...)`, `prepare(...)`.
+"""
+
+from dmltrain.data.glyphs import ensure_glyphs
+from dmltrain.data.loader import EvalLoader, TrainLoader
+from dmltrain.data.metadata import DatasetInfo, Evaluation, load_dataset_info
+from dmltrain.data.prepare import prepare
+from dmltrain.data.sampling import SamplerSpec
+from dmltrain.data.transforms import decode, test_transform, train_transform
+
+__all__ = [
+    "DatasetInfo",
+    "EvalLoader",
+    "Evaluation",
+    "SamplerSpec",
+    "TrainLoader",
+    "decode",
+    "ensure_glyphs",
+    "load_dataset_info",
+    "prepare",
+    "test_transform",
+    "train_transform",
+]

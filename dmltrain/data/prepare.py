@@ -409,3 +409,48 @@ def _remove_stale(out: Path, keep: set[str]) -> None:
             path.unlink()
         elif ".tar.tmp-" in path.name:
             path.unlink(missing_ok=True)
+
+
+def prepare(
+    fmt: str,
+    source: str,
+    out_dir: str | Path,
+    *,
+    shard_size: int | None = None,
+    group_size: int = 32,
+    seed: int = 0,
+    resize: int | None = None,
+    workers: int = 1,
+    force: bool = False,
+    progress: bool = True,
+    **options: Any,
+) -> DatasetInfo:
+    """Convert the data set `fmt` at `source` into shards in `out_dir` (what `dmltrain prepare` runs).
+
+    `options` are format specific: test_fraction/seed (folder, csv, glyphs), image_root (csv),
+    split_dir (inaturalist), min_faces/image_size/max_classes (glyphs).
+    """
+    from dmltrain.data.datasets import scan_source
+
+    if fmt == "glyphs":
+        options.setdefault("seed", seed)
+    desc = source if fmt == "glyphs" or "://" in source else str(Path(source).expanduser().resolve())
+    if fmt == "glyphs":
+        from dmltrain.data.glyphs import glyphs_source_desc
+
+        desc = glyphs_source_desc(
+            **{k: v for k, v in options.items() if v is not None}, shard_size=shard_size
+        )
+    return prepare_dataset(
+        lambda: scan_source(fmt, source, **options),
+        out_dir,
+        source_format=fmt,
+        source_desc=desc,
+        shard_size=shard_size,
+        group_size=group_size,
+        seed=seed,
+        resize=resize,
+        workers=workers,
+        force=force,
+        progress=progress,
+    )

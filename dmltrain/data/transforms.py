@@ -1,0 +1,39 @@
+"""Image decoding and the papers' augmentations, on uint8 tensors (torchvision.transforms.v2).
+
+Train: RandomResizedCrop (scale 0.16-1 as in FastAP/Smooth-AP code, 0.5-1 in RLL) + horizontal flip.
+Test: resize + single centre crop. Images stay uint8 so batches are 4x smaller to move between processes;
+the trainer's `preprocess` turns them into normalised floats on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms import v2
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def decode(data: bytes) -> torch.Tensor:
+    """Encoded JPEG/PNG/WebP bytes -> uint8 (3, H, W); grey or RGBA sources become RGB."""
+    return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+
+
+def train_transform(
+    size: int = 224,
+    scale: tuple[float, float] = (0.16, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    flip: bool = True,
+) -> Transform:
+    steps: list[Transform] = [v2.RandomResizedCrop(size, scale=scale, ratio=ratio, antialias=True)]
+    if flip:
+        steps.append(v2.RandomHorizontalFlip())
+    return v2.Compose(steps)
+
+
+def test_transform(size: int = 224, resize: int | None = None) -> Transform:
+    """Shorter side to `resize` (default size x 256/224, the papers' 256 for 224 crops), centre crop."""
+    resize = resize or round(size * 256 / 224)
+    return v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(size)])
