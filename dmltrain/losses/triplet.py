@@ -1,0 +1,69 @@
+"""Triplet hinge of Deep Ranking (Wang et al., CVPR 2014), Eq. 1-2, over every valid in-batch triplet.
+
+``max(0, g + ||a - p||^2 - ||a - n||^2)`` on squared Euclidean distances (Eq. 1; Eq. 2 for unit vectors),
+averaged over the *active* triplets (positive hinge). Triplets are never materialised as index lists: for
+each anchor and positive the hinge against all items is one row of a ``(anchors x |P| x N)`` slab processed
+in budget-sized chunks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dmltrain.losses._rowwise import BlockResult, QueryBlock
+from dmltrain.losses.base import DEFAULT_MEMORY_BUDGET_MB, RankingLoss
+
+
+class _TripletKernel:
+    metric = "sqeuclidean"
+    needs_positive_sets = True
+
+    def __init__(self, margin: float) -> None:
+        self.margin = margin
+
+    def __call__(self, block: QueryBlock) -> BlockResult:
+        d2 = block.values
+        # Non-negatives (positives, the anchor itself) get +inf so their hinge is exactly 0.
+        d2_neg = torch.where(block.same_label(), float("inf"), d2)
+        terms = torch.zeros_like(d2[:, 0])
+        active_per_anchor = torch.zeros(d2.shape[0], dtype=torch.int64, device=d2.device)
+        jac = block.jacobian
+        for _, rows, cols in block.positive_chunks():
+            d2_ap = torch.gather(d2[rows], 1, cols)  # (k, c)
+            hinge = (d2_ap + self.margin)[:, :, None] - d2_neg[rows][:, None, :]  # (k, c, N)
+            active = hinge > 0
+            terms[rows] += hinge.clamp_(min=0).sum((1, 2))
+            active_per_anchor[rows] += active.sum((1, 2))
+            if jac is not None:
+                act = active.to(d2.dtype)
+                # d hinge / d d2(a, n) = -1 and d hinge / d d2(a, p) = +1 for every active triplet.
+                rows_jac = jac[rows] - act.sum(1)
+                rows_jac.scatter_add_(1, cols, act.sum(2))  # distinct columns per row: deterministic
+                jac[rows] = rows_jac
+        valid = active_per_anchor > 0
+        return BlockResult(terms=terms, count=active_per_anchor.sum(), valid=valid)
+
+
+class TripletLoss(RankingLoss):
+    """Triplet hinge averaged over active triplets, all (anchor, positive, negative) triplets of the batch.
+
+    Why: the Deep Ranking baseline the listwise losses are compared against; averaging over active triplets
+    keeps the gradient scale independent of how many triplets are already satisfied.
+
+    ``reduction="none"`` gives each anchor's *sum* of hinges (so ``mean == sum / parts().count``);
+    ``parts().count`` is the number of active triplets and ``num_valid`` the anchors with one or more.
+    """
+
+    def __init__(self, margin: float = 0.2, *, memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB) -> None:
+        super().__init__(memory_budget_mb=memory_budget_mb)
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+            raise ValueError(f"margin must be a finite number, got {margin!r}")
+        self.margin = float(margin)
+
+    def _kernel(self) -> _TripletKernel:
+        return _TripletKernel(self.margin)
+
+    def extra_repr(self) -> str:
+        return f"margin={self.margin}"
