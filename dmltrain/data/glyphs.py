@@ -97,19 +97,20 @@ def scan_glyphs(
         if n >= min_faces and unicodedata.category(chr(cp))[0] in unicode_categories
     )
     em = round(image_size * 0.75)
+    fonts = {face: ImageFont.truetype(str(face), size=em) for face in faces}
+    missing_boxes = {face: render_glyph(font, chr(_UNMAPPED), image_size) for face, font in fonts.items()}
     renders: dict[int, list[tuple[str, bytes]]] = defaultdict(list)
-    for face in faces:
-        font = ImageFont.truetype(str(face), size=em)
-        missing_box = render_glyph(font, chr(_UNMAPPED), image_size)
-        for cp in candidates:
-            if cp not in coverage[face]:
-                continue
-            png = render_glyph(font, chr(cp), image_size)
-            if png is not None and png != missing_box:
-                renders[cp].append((face.name, png))
-    chars = [cp for cp in candidates if len(renders[cp]) >= min_faces]
-    if max_classes is not None:
-        chars = chars[:max_classes]
+    chars = []
+    for cp in candidates:
+        if max_classes is not None and len(chars) >= max_classes:
+            break
+        for face, font in fonts.items():
+            if cp in coverage[face]:
+                png = render_glyph(font, chr(cp), image_size)
+                if png is not None and png != missing_boxes[face]:
+                    renders[cp].append((face.name, png))
+        if len(renders[cp]) >= min_faces:
+            chars.append(cp)
     names = {cp: f"U+{cp:04X} {chr(cp)}" for cp in chars}
     held_out = split_classes(list(names.values()), test_fraction, seed)
     items = []

@@ -432,8 +432,8 @@ def prepare(
     """
     from dmltrain.data.datasets import scan_source
 
-    if fmt == "glyphs":
-        options.setdefault("seed", seed)
+    if fmt in ("folder", "csv", "glyphs"):
+        options.setdefault("seed", seed)  # the same seed picks held-out classes
     desc = source if fmt == "glyphs" or "://" in source else str(Path(source).expanduser().resolve())
     if fmt == "glyphs":
         from dmltrain.data.glyphs import glyphs_source_desc

@@ -1,0 +1,318 @@
+"""Converters on tiny fixtures in each data set's published layout, written to real tar shards."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import unicodedata
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dmltrain.cli import main as cli_main
+from dmltrain.data import ensure_glyphs, load_dataset_info, prepare
+from dmltrain.data.glyphs import base_character, faithful_codepoints, font_files, scan_glyphs
+from dmltrain.data.shards import read_shard
+
+
+def write_image(path: Path, seed: int, fmt: str = "JPEG", size: int = 12) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path, format=fmt)
+
+
+def read_all(root: Path, split: str) -> list[tuple[int, int, dict]]:
+    info = load_dataset_info(root)
+    out = []
+    for i, url in enumerate(info.shard_urls(root, split)):
+        for s in read_shard(url, shard=i, with_meta=True):
+            out.append((s.cls, s.category, json.loads(s.meta)))
+    return out
+
+
+def test_folder_round_trip_reports_corrupt_and_singleton(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    src = tmp_path / "src"
+    counts = {"ant": 5, "bee": 4, "cat": 2, "dog": 6}
+    for c, n in counts.items():
+        for i in range(n):
+            write_image(src / c / f"{i}.jpg", hash((c, i)) % 1000, "PNG" if i % 2 else "JPEG")
+    (src / "cat" / "1.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")  # cat keeps one image
+    truncated = (src / "dog" / "0.jpg").read_bytes()
+    (src / "dog" / "0.jpg").write_bytes(truncated[: len(truncated) // 2])
+    out = tmp_path / "out"
+    info = prepare("folder", str(src), out, shard_size=3, test_fraction=0.25, seed=1, progress=False)
+    err = capsys.readouterr().err
+    assert "cat/1.jpg" in err and "dog/0.jpg" in err and "single image" in err
+    assert sorted(s.path for s in info.skipped) == ["cat/1.jpg", "dog/0.jpg"]
+    assert all(s.reason for s in info.skipped)
+    expected = Counter({"ant": 5, "bee": 4, "cat": 1, "dog": 5})
+    got: Counter[str] = Counter()
+    for split in info.splits:
+        for cls, _, meta in read_all(out, split):
+            assert info.class_names[cls] == meta["class"] == meta["path"].split("/")[0]
+            assert meta["split"] == split
+            got[meta["class"]] += 1
+        assert sum(s.num_samples for s in info.splits[split].shards) == info.splits[split].num_samples
+    assert got == expected
+    assert {info.class_names[c] for s in info.splits.values() for c in s.singleton_classes} == {"cat"}
+    test_classes = {info.class_names[c] for c, _ in info.splits["test"].shards[0].class_counts}
+    assert len(test_classes) == 1 and not test_classes & {
+        info.class_names[c] for sh in info.splits["train"].shards for c, _ in sh.class_counts
+    }
+    assert info.evaluations[0].query == "test" and info.evaluations[0].gallery is None
+
+
+def test_prepare_is_idempotent_and_deterministic(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for c in range(3):
+        for i in range(4):
+            write_image(src / f"c{c}" / f"{i}.png", c * 10 + i, "PNG")
+    out = tmp_path / "out"
+    prepare("folder", str(src), out, shard_size=4, progress=False)
+    shards = sorted(out.glob("*.tar"))
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in shards}
+    prepare("folder", str(src), out, shard_size=4, progress=False)
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(out.glob("*.tar"))} == before
+    prepare("folder", str(src), out, shard_size=4, progress=False, force=True)
+    assert {p.name: p.read_bytes() for p in sorted(out.glob("*.tar"))} == {k: v[1] for k, v in before.items()}
+    prepare("folder", str(src), out, shard_size=6, progress=False)  # new layout: stale shards removed
+    info = load_dataset_info(out)
+    assert sorted(p.name for p in out.glob("*.tar")) == sorted(s.name for s in info.splits["train"].shards)
+    assert not list(out.glob("*.tmp*"))
+
+
+def test_csv_with_categories_and_splits(tmp_path: Path) -> None:
+    rows = ["path,class,category,split"]
+    for i in range(12):
+        write_image(tmp_path / "img" / f"{i}.jpg", i)
+        rows.append(
+            f"img/{i}.jpg,k{i % 4},{'vehicle' if i % 4 < 2 else 'animal'},{'train' if i < 8 else 'test'}"
+        )
+    (tmp_path / "list.csv").write_text("\n".join(rows) + "\n")
+    info = prepare("csv", str(tmp_path / "list.csv"), tmp_path / "out", progress=False)
+    assert info.category_names == ["animal", "vehicle"]
+    assert [
+        info.category_names[info.class_to_category[info.class_names.index(f"k{k}")]] for k in range(4)
+    ] == [
+        "vehicle",
+        "vehicle",
+        "animal",
+        "animal",
+    ]
+    assert info.splits["train"].num_samples == 8 and info.splits["test"].num_samples == 4
+
+
+def test_sop_layout(tmp_path: Path) -> None:
+    src = tmp_path / "Stanford_Online_Products"
+    lines = {
+        "train": ["image_id class_id super_class_id path"],
+        "test": ["image_id class_id super_class_id path"],
+    }
+    image_id = 0
+    for class_id, (category, super_id) in enumerate(
+        [("bicycle", 1), ("bicycle", 1), ("chair", 3), ("mug", 8)], 1
+    ):
+        split = "train" if class_id <= 3 else "test"
+        for j in range(3):
+            image_id += 1
+            rel = f"{category}_final/{class_id}0{j}_{j}.JPG"
+            write_image(src / rel, image_id)
+            lines[split].append(f"{image_id} {class_id} {super_id} {rel}")
+    for split, name in (("train", "Ebay_train.txt"), ("test", "Ebay_test.txt")):
+        (src / name).write_text("\n".join(lines[split]) + "\n")
+    info = prepare("sop", str(tmp_path), tmp_path / "out", progress=False)
+    assert (info.splits["train"].num_classes, info.splits["test"].num_classes) == (3, 1)
+    assert info.category_names == ["bicycle", "chair", "mug"]
+    assert info.recall_ks == [1, 10, 100, 1000] and info.sampling_hints["batches_per_pair"] == 5
+    meta = read_all(tmp_path / "out", "test")[0][2]
+    assert meta["path"].startswith("mug_final/") and meta["class_id"] == 4 and meta["super_class_id"] == 8
+
+
+def test_inshop_layout(tmp_path: Path) -> None:
+    rows = []
+    for item, (gender, cat) in enumerate([("WOMEN", "Dresses"), ("MEN", "Denim"), ("WOMEN", "Dresses")], 1):
+        for j, status in enumerate(["train", "train"] if item == 1 else ["query", "gallery", "gallery"]):
+            rel = f"img/{gender}/{cat}/id_{item:08d}/0{j}_1_front.jpg"
+            write_image(tmp_path / "Img" / rel, item * 10 + j)
+            rows.append(f"{rel} id_{item:08d} {status}")
+    (tmp_path / "Eval").mkdir()
+    text = f"{len(rows)}\nimage_name item_id evaluation_status\n" + "\n".join(rows) + "\n"
+    (tmp_path / "Eval" / "list_eval_partition.txt").write_text(text)
+    info = prepare("inshop", str(tmp_path), tmp_path / "out", progress=False)
+    assert set(info.splits) == {"train", "query", "gallery"}
+    assert (info.splits["query"].num_samples, info.splits["gallery"].num_samples) == (2, 4)
+    assert info.evaluations[0].model_dump() == {"name": "test", "query": "query", "gallery": "gallery"}
+    assert info.category_names == ["MEN/Denim", "WOMEN/Dresses"]
+
+
+def test_vehicleid_layout(tmp_path: Path) -> None:
+    root = tmp_path / "VehicleID_V1.0"
+    (root / "train_test_split").mkdir(parents=True)
+    (root / "attribute").mkdir()
+    image = 0
+    lists: dict[str, list[str]] = {
+        "train_list": [],
+        "test_list_800": [],
+        "test_list_1600": [],
+        "test_list_2400": [],
+    }
+    for vehicle in range(1, 9):
+        for _ in range(2):
+            image += 1
+            write_image(root / "image" / f"{image:07d}.jpg", image)
+            row = f"{image:07d} {vehicle}"
+            if vehicle <= 4:
+                lists["train_list"].append(row)
+                continue
+            lists["test_list_2400"].append(row)  # the published lists are nested: 800 < 1600 < 2400
+            if vehicle <= 7:
+                lists["test_list_1600"].append(row)
+            if vehicle == 5:
+                lists["test_list_800"].append(row)
+    for name, rows in lists.items():
+        (root / "train_test_split" / f"{name}.txt").write_text("\n".join(rows) + "\n")
+    (root / "attribute" / "model_attr.txt").write_text("1 7\n2 7\n3 9\n")  # vehicle 4 unlabelled
+    info = prepare("vehicleid", str(tmp_path), tmp_path / "out", progress=False)
+    assert [e.query for e in info.evaluations] == ["test_small", "test_medium", "test_large"]
+    assert [info.splits[f"test_{s}"].num_classes for s in ("small", "medium", "large")] == [1, 3, 4]
+    assert info.category_names == ["7", "9"]
+    train = read_all(tmp_path / "out", "train")
+    assert sorted(
+        Counter(info.category_names[c] if c >= 0 else None for _, c, _ in train).items(), key=str
+    ) == [
+        ("7", 4),
+        ("9", 2),
+        (None, 2),
+    ]
+    assert info.recall_ks == [1, 5]
+
+
+def test_inaturalist_smooth_ap_split(tmp_path: Path) -> None:
+    lines: dict[str, list[str]] = {"train": [], "test": []}
+    for k, (sup, species) in enumerate(
+        [("Aves", "2761"), ("Aves", "2762"), ("Plantae", "5000"), ("Insecta", "90")]
+    ):
+        for j in range(2):
+            rel = f"train_val2018/{sup}/{species}/{k}{j}abc.jpg"
+            write_image(tmp_path / rel, k * 10 + j)
+            lines["train" if k < 3 else "test"].append(rel)
+    (tmp_path / "Inat_dataset_splits").mkdir()
+    for split in lines:
+        (tmp_path / "Inat_dataset_splits" / f"Inaturalist_{split}_set1.txt").write_text(
+            "\n".join(lines[split])
+        )
+    info = prepare("inaturalist", str(tmp_path), tmp_path / "out", progress=False)
+    assert info.class_names == ["Aves/2761", "Aves/2762", "Plantae/5000", "Insecta/90"]
+    assert info.splits["train"].num_categories == 2 and info.splits["test"].num_classes == 1
+    assert info.recall_ks == [1, 4, 16, 32]
+
+
+def test_cub_layout(tmp_path: Path) -> None:
+    root = tmp_path / "CUB_200_2011"
+    names = [
+        "001.Black_footed_Albatross",
+        "002.Laysan_Albatross",
+        "003.Sooty_Albatross",
+        "004.Groove_billed_Ani",
+    ]
+    images, labels = [], []
+    for c, name in enumerate(names, 1):
+        for j in range(2):
+            rel = f"{name}/{name[4:]}_{j}.jpg"
+            write_image(root / "images" / rel, c * 10 + j)
+            images.append(f"{len(images) + 1} {rel}")
+            labels.append(f"{len(labels) + 1} {c}")
+    (root / "images.txt").write_text("\n".join(images))
+    (root / "image_class_labels.txt").write_text("\n".join(labels))
+    (root / "classes.txt").write_text("\n".join(f"{i} {n}" for i, n in enumerate(names, 1)))
+    info = prepare("cub", str(tmp_path), tmp_path / "out", progress=False)
+    assert info.class_names == names
+    assert info.splits["train"].num_classes == 2 and info.splits["test"].num_classes == 2
+
+
+@pytest.mark.parametrize("kind", ["mat", "csv"])
+def test_cars_layout(tmp_path: Path, kind: str) -> None:
+    rows = []
+    for i in range(8):
+        rel = f"car_ims/{i + 1:06d}.jpg"
+        write_image(tmp_path / rel, i)
+        rows.append((rel, i // 2 + 1, i % 2))
+    names = ["AM General Hummer SUV 2000", "Acura RL Sedan 2012", "Audi R8 Coupe 2012", "BMW M3 Coupe 2012"]
+    if kind == "mat":
+        from scipy.io import savemat
+
+        dtype = [("relative_im_path", object), ("bbox_x1", object), ("class", object), ("test", object)]
+        annotations = np.array([(r, 0, c, t) for r, c, t in rows], dtype=dtype)
+        savemat(
+            tmp_path / "cars_annos.mat",
+            {"annotations": annotations, "class_names": np.array(names, dtype=object)},
+        )
+    else:
+        text = "relative_im_path,class,class_name\n" + "".join(
+            f"{r},{c},{names[c - 1]}\n" for r, c, _ in rows
+        )
+        (tmp_path / "cars_annos.csv").write_text(text)
+    info = prepare("cars", str(tmp_path), tmp_path / "out", progress=False)
+    assert info.class_names == names
+    assert [info.splits[s].num_samples for s in ("train", "test")] == [4, 4]
+
+
+def test_cli_prepare(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    for i in range(4):
+        write_image(tmp_path / "src" / f"c{i % 2}" / f"{i}.png", i, "PNG")
+    assert cli_main(["prepare", "folder", str(tmp_path / "src"), str(tmp_path / "out"), "--quiet"]) == 0
+    assert "4 images, 2 classes" in capsys.readouterr().out
+    assert cli_main(["prepare", "sop", str(tmp_path / "nothing"), str(tmp_path / "o2"), "--quiet"]) == 2
+    assert "Ebay_train.txt" in capsys.readouterr().err
+    done = subprocess.run(
+        [sys.executable, "-m", "dmltrain.cli", "prepare", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "inaturalist" in done.stdout
+
+
+def test_base_character_strips_accents_only() -> None:
+    assert [base_character(c) for c in "aáàâäA"] == ["a"] * 5 + ["A"]
+    assert base_character("ǆ") == "d" and base_character("ß") == "ß"
+
+
+def test_glyph_faces_are_checked_for_real_coverage() -> None:
+    faces = {p.name: p for p in font_files()}
+    assert (
+        not faithful_codepoints(faces["LastResortHE-Regular.ttf"])
+        or len(faithful_codepoints(faces["LastResortHE-Regular.ttf"])) < 1000
+    )  # a placeholder font does not cover everything
+    assert ord("!") not in faithful_codepoints(faces["cmex10.ttf"])  # TeX-encoded: '!' is a bracket piece
+    assert ord("A") in faithful_codepoints(faces["DejaVuSans.ttf"])
+
+
+def test_small_glyph_build(tmp_path: Path) -> None:
+    source = scan_glyphs(min_faces=12, image_size=32, max_classes=40)
+    classes = Counter(it.class_name for it in source.items)
+    assert len(classes) == 40 and min(classes.values()) >= 12
+    for it in source.items[:50]:
+        assert unicodedata.category(it.meta["char"])[0] in "LN"
+        assert it.category.endswith(base_character(it.meta["char"]))
+    info = prepare("glyphs", "-", tmp_path, min_faces=12, image_size=32, max_classes=40, progress=False)
+    assert info.num_classes == 40 and info.splits["train"].num_classes == 20
+    image = Image.open(__import__("io").BytesIO(next(read_shard(info.shard_urls(tmp_path, "train")[0])).data))
+    assert image.size == (32, 32)
+
+
+def test_default_glyphs_two_processes_build_once(tmp_path: Path) -> None:
+    code = "import sys; from dmltrain.data import ensure_glyphs; print(ensure_glyphs(sys.argv[1]))"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)]) for _ in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    info = load_dataset_info(tmp_path)
+    assert info.num_classes >= 1000 and info.num_categories < info.num_classes
+    assert min(n for s in info.splits.values() for sh in s.shards for _, n in sh.class_counts) >= 1
+    assert set(info.splits) == {"train", "test"} and not info.skipped
+    assert ensure_glyphs(tmp_path) == tmp_path
