@@ -273,6 +273,7 @@ class ReservoirBatcher(Batcher):
         }
         # Reading ahead cannot find more of c than this consumer holds: stop once all of it is buffered.
         self.reachable = {c: min(self.capacity[c], n) for c, n in local_counts.items()}
+        self.pass_images = total  # reading this far ahead has seen every image this consumer holds
         local_share = local_counts
         self.fresh: dict[int, list[list[Sample]]] = {c: [] for c in local_share}
         self.used: dict[int, deque[list[Sample]]] = {c: deque() for c in local_share}
@@ -322,7 +323,7 @@ class ReservoirBatcher(Batcher):
         while (
             self._available(self.fresh[c], classes) < need
             and self.size[c] < self.reachable[c]
-            and read_ahead < self.pool_images
+            and read_ahead < self.pass_images
         ):
             read_ahead += self._ingest(self.stream.next_group())
         for source in (self.fresh[c], self.used[c]):

@@ -7,18 +7,25 @@ the trainer's `preprocess` turns them into normalised floats on the device.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 
+import numpy as np
 import torch
-from torchvision.io import ImageReadMode, decode_image
+from PIL import Image
 from torchvision.transforms import v2
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
 def decode(data: bytes) -> torch.Tensor:
-    """Encoded JPEG/PNG/WebP bytes -> uint8 (3, H, W); grey or RGBA sources become RGB."""
-    return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    """Encoded JPEG/PNG/WebP bytes -> uint8 (3, H, W); grey or RGBA sources become RGB.
+
+    PIL rather than torchvision.io, whose decoders are deprecated since torchvision 0.29 (same libjpeg).
+    """
+    with Image.open(io.BytesIO(data)) as image:
+        array = np.array(image.convert("RGB"))
+    return torch.from_numpy(array).permute(2, 0, 1)
 
 
 def train_transform(

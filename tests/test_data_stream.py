@@ -1,0 +1,199 @@
+"""Streaming readers and batchers on real tar shards: disjoint ranks/workers, equal steps, batch structure,
+FastAP category pairs across ranks, exact resume, eval coverage."""
+
+from __future__ import annotations
+
+import csv
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from dmltrain.data import EvalLoader, SamplerSpec, TrainLoader, prepare, train_transform
+from dmltrain.data import test_transform as eval_transform
+from dmltrain.data.metadata import load_dataset_info
+from dmltrain.data.sampling import split_group
+from dmltrain.data.shards import Sample
+from dmltrain.data.stream import check_enough_shards
+
+CATEGORIES = 6
+CLASSES_PER_CATEGORY = 6
+IMAGES_PER_CLASS = 8
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """288 train images (6 categories x 6 classes x 8) plus unlabelled classes and a test split."""
+    root = tmp_path_factory.mktemp("stream")
+    rows = []
+    rng = np.random.default_rng(0)
+    for cat in range(CATEGORIES + 1):  # the last "category" is unlabelled (VehicleID-style)
+        for k in range(CLASSES_PER_CATEGORY):
+            cls = f"c{cat}_{k}"
+            for i in range(IMAGES_PER_CLASS):
+                rel = f"img/{cls}_{i}.png"
+                (root / "img").mkdir(exist_ok=True)
+                Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(root / rel)
+                split = "test" if k == CLASSES_PER_CATEGORY - 1 else "train"
+                rows.append([rel, cls, f"cat{cat}" if cat < CATEGORIES else "", split])
+    with (root / "list.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["path", "class", "category", "split"])
+        writer.writerows(rows)
+    prepare("csv", str(root / "list.csv"), root / "out", shard_size=10, group_size=8, progress=False)
+    return root / "out"
+
+
+def loader(root: Path, name: str, rank: int = 0, world: int = 2, workers: int = 2, batch: int = 16, **kw):
+    spec = SamplerSpec(name=name, samples_per_class=4, pool_images=kw.pop("pool", 32), seed=3)
+    return TrainLoader(
+        root,
+        batch,
+        spec,
+        rank=rank,
+        world_size=world,
+        num_workers=workers,
+        image_size=16,
+        with_keys=True,
+        **kw,
+    )
+
+
+def run(train_loader: TrainLoader, steps: int) -> list[tuple]:
+    return [train_loader.next_batch() for _ in range(steps)]
+
+
+def test_ranks_and_workers_read_disjoint_shards_with_equal_steps(shards: Path) -> None:
+    loaders = [loader(shards, "pk", rank=r) for r in range(2)]
+    assert loaders[0].steps_per_epoch == loaders[1].steps_per_epoch > 0
+    seen: dict[tuple[int, int], set[str]] = {}
+    for r, train_loader in enumerate(loaders):
+        batches = list(train_loader)  # one epoch
+        assert len(batches) == train_loader.steps_per_epoch
+        for step, (images, labels, categories, keys) in enumerate(batches):
+            assert images.shape == (16, 3, 16, 16) and images.dtype == torch.uint8
+            assert labels.dtype == categories.dtype == torch.int64
+            seen.setdefault((r, step % 2), set()).update(keys)
+    consumers = list(seen)
+    assert len(consumers) == 4
+    for i, a in enumerate(consumers):
+        for b in consumers[i + 1 :]:
+            assert not seen[a] & seen[b], f"consumers {a} and {b} share samples"
+
+
+def test_too_few_shards_fails_early_with_a_clear_message(shards: Path) -> None:
+    with pytest.raises(ValueError, match="consumers need at least one"):
+        loader(shards, "pk", world=8, workers=8)
+    check_enough_shards("train", 4, 2, 2)
+
+
+def test_pk_batches_have_p_classes_of_k(shards: Path) -> None:
+    batches = run(loader(shards, "pk", workers=0), 12)
+    for _, labels, _, keys in batches:
+        assert sorted(Counter(labels.tolist()).values()) == [4, 4, 4, 4]
+        assert len(set(keys)) == 16
+
+
+def test_random_batches_take_whole_classes(shards: Path) -> None:
+    for _, labels, _, _ in run(loader(shards, "random", workers=0), 8):
+        assert sorted(Counter(labels.tolist()).values()) == [8, 8]
+
+
+def test_hard_batches_use_the_same_two_categories_on_every_rank(shards: Path) -> None:
+    per_rank = [run(loader(shards, "hard", rank=r), 10) for r in range(2)]
+    pairs = []
+    for step in range(10):
+        rank_categories = []
+        for r in range(2):
+            categories = per_rank[r][step][2].tolist()
+            counts = Counter(categories)
+            assert len(counts) == 2 and sorted(counts.values()) == [8, 8], counts
+            rank_categories.append(set(counts))
+        assert rank_categories[0] == rank_categories[1]
+        pairs.append(frozenset(rank_categories[0]))
+    assert len(set(pairs)) > 1  # the schedule moves through category pairs
+
+
+def test_vehicleid_batches_pair_one_labelled_category_with_unlabelled_classes(shards: Path) -> None:
+    per_rank = [run(loader(shards, "vehicleid", rank=r), 6) for r in range(2)]
+    for step in range(6):
+        labelled = []
+        for r in range(2):
+            counts = Counter(per_rank[r][step][2].tolist())
+            assert counts[-1] == 8 and len(counts) == 2, counts
+            labelled.append(max(counts))
+        assert labelled[0] == labelled[1]
+
+
+def test_triplet_batches(shards: Path) -> None:
+    for _, labels, _, _ in run(loader(shards, "triplet", workers=0, batch=15), 6):
+        for q, p, n in labels.view(-1, 3).tolist():
+            assert q == p != n
+
+
+@pytest.mark.parametrize("name,workers", [("pk", 2), ("hard", 0), ("triplet", 0)])
+def test_resume_continues_the_stream_exactly(shards: Path, name: str, workers: int) -> None:
+    batch = 15 if name == "triplet" else 16
+    first = loader(shards, name, workers=workers, batch=batch)
+    run(first, 7)
+    state = first.state_dict()
+    expected = run(first, 6)
+    resumed = loader(shards, name, workers=workers, batch=batch)
+    resumed.load_state_dict(state)
+    got = run(resumed, 6)
+    assert [b[3] for b in got] == [b[3] for b in expected]
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(got, expected, strict=True))
+    fresh = loader(shards, name, workers=workers, batch=batch)
+    assert [b[3] for b in run(fresh, 6)] != [b[3] for b in got]  # it did not restart from the beginning
+
+
+def test_resume_needs_the_same_layout(shards: Path) -> None:
+    state = loader(shards, "pk", workers=0).state_dict()
+    with pytest.raises(ValueError, match="batch_size"):
+        loader(shards, "pk", workers=0, batch=8).load_state_dict(state)
+
+
+def test_pk_stream_is_a_pass_over_the_data(shards: Path) -> None:
+    one = loader(shards, "pk", world=1, workers=0, pool=16)
+    train = load_dataset_info(shards).splits["train"].num_samples
+    assert one.steps_per_epoch == train // 16
+    first = [k for b in run(one, (train - 16) // 16) for k in b[3]]
+    assert len(first) == len(set(first))  # nothing repeats before the pass is used up
+    seen = Counter(first + [k for b in run(one, one.steps_per_epoch) for k in b[3]])
+    assert len(seen) == train and max(seen.values()) <= 3  # by two epochs every image came, none hogged
+
+
+def test_eval_covers_the_split_exactly_once(shards: Path) -> None:
+    seen: list[str] = []
+    for rank in range(2):
+        ev = EvalLoader(shards, "test", 5, rank=rank, world_size=2, num_workers=2, image_size=16)
+        keys = []
+        for images, labels, categories, batch_keys in ev:
+            assert images.shape[1:] == (3, 16, 16) and len(labels) == len(categories) == len(batch_keys)
+            keys += batch_keys
+        assert len(keys) == ev.num_samples == ev.rank_counts[rank]
+        seen += keys
+    assert len(seen) == len(set(seen)) == (CATEGORIES + 1) * IMAGES_PER_CLASS
+
+
+def test_split_group_keeps_every_part_at_least_two() -> None:
+    def group(n: int) -> list[Sample]:
+        return [Sample(key=str(i), data=b"", cls=0, category=0) for i in range(n)]
+
+    counters: Counter[str] = Counter()
+    assert [len(p) for p in split_group(group(9), 4, counters)] == [4, 3, 2]
+    assert [len(p) for p in split_group(group(3), 4, counters)] == [3]  # fewer than K: taken whole
+    assert split_group(group(1), 4, counters) == [] and counters["skipped_single_images"] == 1
+    assert [len(p) for p in split_group(group(5), 2, counters)] == [2, 2]
+    assert counters["skipped_single_images"] == 2
+
+
+def test_transforms_on_uint8() -> None:
+    image = torch.randint(0, 256, (3, 40, 30), dtype=torch.uint8)
+    out = train_transform(24, scale=(0.5, 1.0))(image)
+    assert out.shape == (3, 24, 24) and out.dtype == torch.uint8
+    test = eval_transform(24)
+    assert torch.equal(test(image), test(image)) and test(image).shape == (3, 24, 24)
