@@ -11,7 +11,7 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import webdataset as wds
 
@@ -86,7 +86,8 @@ def read_shard(url: str, shard: int = -1, skip: int = 0, with_meta: bool = False
         current: dict[str, bytes] = {}
         key: str | None = None
         member = 0
-        for entry in wds.tariterators.tar_file_iterator(stream):
+        for fname, data in iter_tar(stream, url):
+            entry = {"fname": fname, "data": data}
             base, _, ext = entry["fname"].partition(".")
             if key is not None and base != key:
                 if member >= skip:
@@ -99,6 +100,67 @@ def read_shard(url: str, shard: int = -1, skip: int = 0, with_meta: bool = False
             yield _to_sample(key, current, url, shard, member, with_meta)
     finally:
         stream.close()
+
+
+def iter_tar(stream: IO[bytes], url: str) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of the regular files in a tar stream, in order.
+
+    A small ustar/pax/GNU reader: Python's `tarfile` in streaming mode costs ~0.5 ms per member, which
+    was most of the pipeline's time for small images.
+    """
+    long_name: str | None = None
+    while True:
+        header = _read_exact(stream, 512, url, allow_eof=True)
+        if header is None or header == _ZERO_BLOCK:
+            return
+        size = _octal(header[124:136], url)
+        kind = header[156:157]
+        data = _read_exact(stream, size, url) if size else b""
+        padding = -size % 512
+        if padding:
+            _read_exact(stream, padding, url)
+        if kind == b"L":  # GNU long name for the next member
+            long_name = data.rstrip(b"\0").decode()
+            continue
+        if kind in (b"x", b"g"):  # pax header: take the path if present
+            for record in data.decode("utf-8", "replace").splitlines():
+                _, _, field = record.partition(" ")
+                if field.startswith("path="):
+                    long_name = field[5:]
+            continue
+        if kind not in (b"0", b"\0", b"7"):
+            long_name = None
+            continue
+        if long_name is not None:
+            name, long_name = long_name, None
+        else:
+            name = header[0:100].rstrip(b"\0").decode()
+            prefix = header[345:500].rstrip(b"\0").decode() if header[257:262] == b"ustar" else ""
+            name = f"{prefix}/{name}" if prefix else name
+        yield name, data
+
+
+_ZERO_BLOCK = bytes(512)
+
+
+def _octal(field: bytes, url: str) -> int:
+    text = field.rstrip(b"\0 ").strip()
+    try:
+        return int(text, 8) if text else 0
+    except ValueError as exc:
+        raise ValueError(f"{url}: corrupt tar header (size field {field!r})") from exc
+
+
+def _read_exact(stream: IO[bytes], size: int, url: str, allow_eof: bool = False) -> bytes | None:
+    data = stream.read(size)
+    while len(data) < size:
+        more = stream.read(size - len(data))
+        if not more:
+            if allow_eof and not data:
+                return None
+            raise ValueError(f"{url}: truncated tar file")
+        data += more
+    return data
 
 
 def _to_sample(
