@@ -94,6 +94,7 @@ def chunked_backward(
     preprocess: Preprocess | None = None,
     freeze_bn: bool = True,
     autocast_dtype: torch.dtype | None = None,
+    skip_nonfinite: bool = False,
 ) -> Tensor:
     """Accumulate into `.grad` the exact gradient of the global-batch loss; return that loss (detached).
 
@@ -110,6 +111,7 @@ def chunked_backward(
         preprocess=preprocess,
         freeze_bn=freeze_bn,
         autocast_dtype=autocast_dtype,
+        skip_nonfinite=skip_nonfinite,
     ).loss
 
 
@@ -123,6 +125,7 @@ def global_batch_step(
     preprocess: Preprocess | None = None,
     freeze_bn: bool = True,
     autocast_dtype: torch.dtype | None = None,
+    skip_nonfinite: bool = False,
 ) -> StepResult:
     """One global-batch forward/backward in chunks of at most `chunk_size` local samples.
 
@@ -139,6 +142,9 @@ def global_batch_step(
         on chunk_size) and its running statistics are updated once per chunk, by the first pass only.
     autocast_dtype: e.g. torch.bfloat16 to run the model under autocast (the loss stays in float32);
         None runs in the model's own precision. `default_autocast_dtype(device)` picks a sensible value.
+    skip_nonfinite: if the gathered embeddings or their loss gradient hold NaN/inf, return a NaN loss and
+        add nothing to `.grad` on any rank (so a trainer can skip the update) instead of raising
+        FloatingPointError. Either way no NaN reaches the parameter gradients.
     """
     start = time.perf_counter()
     ddp = model if isinstance(model, DistributedDataParallel) else None
@@ -168,7 +174,6 @@ def global_batch_step(
         )
     reduce_manually = ddp is None and world > 1
     params = [p for p in net.parameters() if p.requires_grad]
-    stashed = _stash_grads(params) if reduce_manually else None
     # DDP averages over ranks; feeding it world x the local gradient makes that average the exact sum.
     grad_scale = float(world) if ddp is not None else 1.0
 
@@ -181,26 +186,31 @@ def global_batch_step(
         else:
             rng_states, embeddings = _embed_without_grad(net, load, bounds, device, autocast_dtype)
 
-        grad, stats = _embedding_gradient(
-            loss_fn, embeddings, labels, sizes, offset, world, clock, grad_scale=grad_scale
+        grad, stats, problem = _embedding_gradient(
+            loss_fn, embeddings, labels, sizes, offset, clock, grad_scale=grad_scale
         )
-
-        if one_pass:
-            out.backward(grad.to(out.dtype))
+        if problem is not None:
+            if one_pass and ddp is not None:
+                _complete_ddp_iteration(out, params)
+            if not skip_nonfinite:
+                raise FloatingPointError(problem)
         else:
-            with _running_stats_updated_once(net, sync=ddp is not None and _ddp_syncs_buffers(ddp)):
-                _backward_chunks(ddp or net, ddp, load, bounds, rng_states, grad, device, autocast_dtype)
-
-    if reduce_manually:
-        with clock:
-            sum_gradients_(params)
-        _unstash_grads(params, stashed)
+            stashed = _stash_grads(params) if reduce_manually else None
+            if one_pass:
+                out.backward(grad.to(out.dtype))
+            else:
+                with _running_stats_updated_once(net, sync=ddp is not None and _ddp_syncs_buffers(ddp)):
+                    _backward_chunks(ddp or net, ddp, load, bounds, rng_states, grad, device, autocast_dtype)
+            if reduce_manually:
+                with clock:
+                    sum_gradients_(params)
+                _unstash_grads(params, stashed)
 
     elapsed = time.perf_counter() - start
     total, count, num_queries, num_valid = stats
-    loss = torch.tensor(total / count if count > 0 else 0.0, dtype=torch.float32, device=device)
+    loss = float("nan") if grad is None else (total / count if count > 0 else 0.0)
     return StepResult(
-        loss=loss,
+        loss=torch.tensor(loss, dtype=torch.float32, device=device),
         num_valid=int(num_valid),
         num_queries=int(num_queries),
         count=float(count),
@@ -248,20 +258,24 @@ def _embedding_gradient(
     labels: Tensor,
     sizes: list[int],
     offset: int,
-    world: int,
     clock: _CommClock,
     *,
     grad_scale: float,
-) -> tuple[Tensor, tuple[float, float, float, float]]:
-    """dL/dE for this rank's rows of the global batch, plus global (total, count, queries, valid)."""
+) -> tuple[Tensor | None, tuple[float, float, float, float], str | None]:
+    """dL/dE for this rank's rows of the global batch, global (total, count, queries, valid), problem.
+
+    When the embeddings or the gradient are not finite the gradient is None and `problem` says why; the
+    outcome is identical on every rank (it is decided from gathered / all-reduced tensors).
+    """
     n = embeddings.shape[0]
     with clock:
         gallery = all_gather_uneven(embeddings, sizes)
         gallery_labels = all_gather_uneven(labels, sizes)
-    if not torch.isfinite(gallery).all():
-        rows = torch.nonzero(~torch.isfinite(gallery).all(dim=1)).flatten()
-        owners = sorted({_owner(int(r), sizes) for r in rows})
-        raise FloatingPointError(f"non-finite embeddings from rank(s) {owners}: the model output has NaN/inf")
+    finite_rows = torch.isfinite(gallery).all(dim=1)
+    if not finite_rows.all():
+        owners = sorted({_owner(int(r), sizes) for r in torch.nonzero(~finite_rows).flatten()})
+        problem = f"non-finite embeddings from rank(s) {owners}: the model output has NaN/inf"
+        return None, (float("nan"), 0.0, float(len(gallery)), 0.0), problem
 
     with torch.enable_grad():
         ref = gallery.detach().requires_grad_(True)
@@ -279,7 +293,7 @@ def _embedding_gradient(
                 torch.tensor(float(parts.num_queries), dtype=torch.float64, device=ref.device),
                 torch.tensor(float(parts.num_valid), dtype=torch.float64, device=ref.device),
             ]
-        elif world == 1:
+        elif len(sizes) == 1:
             total = loss_fn(queries, labels)
             count = torch.ones((), dtype=torch.float64, device=ref.device)
             local_stats = [total.detach().double(), count, count * n, count * n]
@@ -302,10 +316,11 @@ def _embedding_gradient(
             grad = torch.zeros_like(ref)
     with clock:
         all_reduce_sum_(grad)
-    if not torch.isfinite(grad).all():
-        raise FloatingPointError(f"{type(loss_fn).__name__} produced a non-finite embedding gradient")
     g_total, g_count, g_queries, g_valid = (float(v) for v in stats.tolist())
-    return grad[offset : offset + n], (g_total, g_count, g_queries, g_valid)
+    if not torch.isfinite(grad).all():
+        problem = f"{type(loss_fn).__name__} produced a non-finite embedding gradient"
+        return None, (float("nan"), g_count, g_queries, g_valid), problem
+    return grad[offset : offset + n], (g_total, g_count, g_queries, g_valid), None
 
 
 def _backward_chunks(
@@ -493,6 +508,23 @@ def _has_training_syncbn(net: nn.Module) -> bool:
 
 def _ddp_syncs_buffers(ddp: DistributedDataParallel) -> bool:
     return bool(getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True)))
+
+
+def _complete_ddp_iteration(out: Tensor, params: list[nn.Parameter]) -> None:
+    """Run the backward DDP's synced forward armed its reducer for, then put the gradients back.
+
+    Finishing the iteration keeps every DDP mode (static_graph, find_unused_parameters) in step for the
+    next one. A backward of zeros still yields NaN gradients (0 x NaN activations), hence the restore,
+    in place because DDP's gradients may be views of its buckets.
+    """
+    saved = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    out.backward(torch.zeros_like(out))
+    with torch.no_grad():
+        for p, old in zip(params, saved, strict=True):
+            if old is None:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.copy_(old)
 
 
 def _stash_grads(params: list[nn.Parameter]) -> list[Tensor | None]:

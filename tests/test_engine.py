@@ -1,6 +1,6 @@
 """Single-process checks of the chunked global-batch engine against plain whole-batch backpropagation.
 
-The helpers at the top (tiny float64 models, a listwise test loss, batch builders, the reference
+The helpers at the top (tiny float64 models, the losses under test, batch builders, the reference
 gradient) are shared with tests/test_engine_distributed.py and tests/test_engine_ray.py.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from dmltrain import engine
 from dmltrain.engine import chunked_backward, global_batch_step
+from dmltrain.losses import FastAPLoss, RankedListLoss, SmoothAPLoss, TripletLoss
 
 # ----------------------------------------------------------------------------------------------------
 # shared helpers
@@ -54,50 +55,13 @@ def preprocess(x: Tensor) -> Tensor:
     return x.to(torch.float64) / 255.0 - 0.5
 
 
-@dataclass
-class Parts:
-    total: Tensor
-    count: Tensor
-    num_queries: int
-    num_valid: int
-
-
-class ListwiseTestLoss(nn.Module):
-    """A small listwise loss on the LossParts contract, computed in the input dtype (float64 here).
-
-    Each query's term is -log(sum over positives of exp(s/t) / sum over all others of exp(s/t)): it
-    depends on every row of the gallery, like the ranking losses, and queries without a positive are
-    left out of the mean. Being float64 end to end, it checks the engine's arithmetic to 1e-10.
-    """
-
-    def __init__(self, temperature: float = 0.2) -> None:
-        super().__init__()
-        self.temperature = temperature
-
-    def parts(self, embeddings, labels, ref_embeddings=None, ref_labels=None, query_index=None) -> Parts:
-        if ref_embeddings is None:
-            ref_embeddings, ref_labels = embeddings, labels
-            query_index = torch.arange(embeddings.shape[0], device=embeddings.device)
-        n = embeddings.shape[0]
-        sim = embeddings @ ref_embeddings.T / self.temperature
-        is_self = torch.zeros_like(sim, dtype=torch.bool)
-        is_self[torch.arange(n), query_index] = True
-        positive = (labels[:, None] == ref_labels[None, :]) & ~is_self
-        valid = positive.any(dim=1)
-        very_negative = -1e9  # finite, so rows without positives keep a finite (zero) gradient
-        lse_all = torch.logsumexp(sim.masked_fill(is_self, very_negative), dim=1)
-        lse_pos = torch.logsumexp(sim.masked_fill(~positive, very_negative), dim=1)
-        terms = (lse_all - lse_pos)[valid]
-        return Parts(terms.sum(), valid.sum().to(torch.float32), n, int(valid.sum()))
-
-    def forward(self, embeddings, labels, ref_embeddings=None, ref_labels=None, query_index=None) -> Tensor:
-        p = self.parts(embeddings, labels, ref_embeddings, ref_labels, query_index)
-        return p.total / p.count.clamp_min(1)
-
-
-LOSSES: dict[str, tuple[type[nn.Module], float]] = {
-    # name -> (class, relative tolerance of the gradient comparison)
-    "listwise-float64": (ListwiseTestLoss, 1e-9),
+LOSSES: dict[str, tuple[Callable[[], nn.Module], float]] = {
+    # name -> (constructor, relative tolerance of the gradient comparison; the losses work in float64
+    # for float64 inputs, so chunking and row-splitting must agree to rounding)
+    "fastap": (FastAPLoss, 1e-8),
+    "smoothap": (SmoothAPLoss, 1e-8),
+    "rll": (RankedListLoss, 1e-8),
+    "triplet": (TripletLoss, 1e-8),
 }
 
 
@@ -136,6 +100,7 @@ def reference_step(
 
 def assert_grads_close(got: dict[str, Tensor], want: dict[str, Tensor], rtol: float) -> None:
     assert got.keys() == want.keys()
+    assert any(w.abs().max() > 0 for w in want.values()), "reference gradient is zero: nothing is tested"
     for name in want:
         scale = want[name].abs().max().item() + 1e-12
         err = (got[name] - want[name]).abs().max().item()
@@ -160,8 +125,8 @@ def frozen_bn(model: nn.Module) -> nn.Module:
 @pytest.mark.parametrize("loss_name", sorted(LOSSES))
 @pytest.mark.parametrize("chunk_size", [1, 5, 7, 20, 64])
 def test_chunked_gradient_equals_whole_batch_gradient(loss_name: str, chunk_size: int) -> None:
-    loss_cls, rtol = LOSSES[loss_name]
-    loss_fn = loss_cls()
+    make_loss, rtol = LOSSES[loss_name]
+    loss_fn = make_loss()
     images, labels = make_batch(20, seed=1)
     model = make_model(seed=2)
     want_loss, want = reference_step(frozen_bn(model), loss_fn, images, labels)
@@ -180,14 +145,14 @@ def test_chunked_gradient_equals_whole_batch_gradient(loss_name: str, chunk_size
 def test_num_valid_counts_queries_with_a_positive() -> None:
     images, labels = make_batch(20, seed=1)
     expected = sum(int((labels == v).sum() > 1) for v in labels)
-    result = global_batch_step(make_model(), images, labels, ListwiseTestLoss(), 6, preprocess=preprocess)
+    result = global_batch_step(make_model(), images, labels, SmoothAPLoss(), 6, preprocess=preprocess)
     assert result.num_valid == expected < 20
     assert result.count == float(expected)
 
 
 def test_dropout_is_replayed_for_every_chunk_size() -> None:
     images, labels = make_batch(18, seed=3)
-    loss_fn = ListwiseTestLoss()
+    loss_fn = SmoothAPLoss()
     for chunk in (1, 4, 7):
         model = make_model(seed=4, dropout=0.3)
         torch.manual_seed(123)
@@ -204,7 +169,7 @@ def test_dropout_is_replayed_for_every_chunk_size() -> None:
 def test_without_rng_replay_dropout_gradients_differ(monkeypatch: pytest.MonkeyPatch) -> None:
     """Control for the test above: the comparison does detect a missing replay."""
     images, labels = make_batch(18, seed=3)
-    loss_fn = ListwiseTestLoss()
+    loss_fn = SmoothAPLoss()
     model = make_model(seed=4, dropout=0.3)
     torch.manual_seed(123)
     _, want = reference_step(frozen_bn(model), loss_fn, images, labels, bounds_of(18, 4))
@@ -217,7 +182,7 @@ def test_without_rng_replay_dropout_gradients_differ(monkeypatch: pytest.MonkeyP
 
 def test_batchnorm_not_frozen_uses_chunk_statistics_and_updates_running_stats_once() -> None:
     images, labels = make_batch(20, seed=5)
-    loss_fn = ListwiseTestLoss()
+    loss_fn = SmoothAPLoss()
     model = make_model(seed=6)
     reference = copy.deepcopy(model)  # BN in training mode, as the engine runs it with freeze_bn=False
     _, want = reference_step(reference, loss_fn, images, labels, bounds_of(20, 6))
@@ -238,7 +203,7 @@ def test_frozen_batchnorm_leaves_running_stats_untouched() -> None:
     model = make_model()
     before = {k: v.clone() for k, v in model.bn.state_dict().items()}
     images, labels = make_batch(12, seed=7)
-    chunked_backward(model, images, labels, ListwiseTestLoss(), 5, preprocess=preprocess)
+    chunked_backward(model, images, labels, SmoothAPLoss(), 5, preprocess=preprocess)
     for k, v in model.bn.state_dict().items():
         assert torch.equal(v, before[k]), k
 
@@ -252,7 +217,7 @@ def test_chunks_reach_preprocess_one_at_a_time_as_uint8() -> None:
 
     images, labels = make_batch(11, seed=8)
     original = images.clone()
-    chunked_backward(make_model(), images, labels, ListwiseTestLoss(), 4, preprocess=spy)
+    chunked_backward(make_model(), images, labels, SmoothAPLoss(), 4, preprocess=spy)
     sizes = [s[0][0] for s in seen]
     assert sizes == [4, 4, 3, 4, 4, 3]  # pass 1 then pass 2, never the whole batch
     assert all(dtype == torch.uint8 for _, dtype in seen)
@@ -261,7 +226,7 @@ def test_chunks_reach_preprocess_one_at_a_time_as_uint8() -> None:
 
 def test_gradients_accumulate_like_backward() -> None:
     images, labels = make_batch(14, seed=9)
-    loss_fn = ListwiseTestLoss()
+    loss_fn = SmoothAPLoss()
     model = make_model()
     _, want = reference_step(frozen_bn(model), loss_fn, images, labels)
     for _ in range(2):
@@ -271,7 +236,7 @@ def test_gradients_accumulate_like_backward() -> None:
 
 def test_bf16_autocast_runs_the_same_code() -> None:
     images, labels = make_batch(16, seed=10)
-    loss_fn = ListwiseTestLoss()
+    loss_fn = SmoothAPLoss()
     model = make_model().float()
 
     def to_float(x: Tensor) -> Tensor:
@@ -321,14 +286,14 @@ def test_a_plain_callable_loss_works_in_one_process() -> None:
 def test_bad_arguments_are_named(labels: Tensor, chunk: int, message: str) -> None:
     images, _ = make_batch(6, seed=0)
     with pytest.raises(ValueError, match=message):
-        chunked_backward(make_model(), images, labels, ListwiseTestLoss(), chunk, preprocess=preprocess)
+        chunked_backward(make_model(), images, labels, SmoothAPLoss(), chunk, preprocess=preprocess)
 
 
 def test_model_output_must_be_an_embedding_matrix() -> None:
     images, labels = make_batch(6, seed=0)
     model = nn.Sequential(nn.Conv2d(3, 2, 3)).double()
     with pytest.raises(TypeError, match=r"embeddings of shape \(3, D\)"):
-        chunked_backward(model, images, labels, ListwiseTestLoss(), 3, preprocess=preprocess)
+        chunked_backward(model, images, labels, SmoothAPLoss(), 3, preprocess=preprocess)
 
 
 def test_non_finite_embeddings_raise_instead_of_spreading_nan() -> None:
@@ -337,5 +302,5 @@ def test_non_finite_embeddings_raise_instead_of_spreading_nan() -> None:
     with torch.no_grad():
         model.head.bias.fill_(float("nan"))
     with pytest.raises(FloatingPointError, match="non-finite embeddings"):
-        chunked_backward(model, images, labels, ListwiseTestLoss(), 4, preprocess=preprocess)
+        chunked_backward(model, images, labels, SmoothAPLoss(), 4, preprocess=preprocess)
     assert all(p.grad is None for p in model.parameters())

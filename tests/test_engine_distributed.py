@@ -4,7 +4,9 @@ process computes on the whole global batch, with a plain module and with DDP, ch
 from __future__ import annotations
 
 import copy
+import math
 import os
+import re
 import socket
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dmltrain.distributed import all_gather_sizes, all_gather_uneven, get_rank, get_world_size
 from dmltrain.engine import global_batch_step
+from dmltrain.losses import SmoothAPLoss
 
 # name -> (wrap in DDP, chunk size, freeze_bn, model with a parameter no forward uses)
 SCENARIOS: dict[str, tuple[bool, int, bool, bool]] = {
@@ -68,36 +71,78 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], out_dir: str) ->
             "gathered_labels": all_gather_uneven(labels),
         }
         for scenario, (use_ddp, chunk, freeze_bn, unused) in SCENARIOS.items():
-            for loss_name, (loss_cls, _) in LOSSES.items():
+            for loss_name, (make_loss, _) in LOSSES.items():
                 model = make_model(seed=2, unused=unused)
                 wrapped = DistributedDataParallel(model, find_unused_parameters=unused) if use_ddp else model
                 steps = []
                 for _ in range(2):  # the second step accumulates, as a plain backward would
                     r = global_batch_step(
-                        wrapped, images, labels, loss_cls(), chunk, preprocess=preprocess, freeze_bn=freeze_bn
+                        wrapped,
+                        images,
+                        labels,
+                        make_loss(),
+                        chunk,
+                        preprocess=preprocess,
+                        freeze_bn=freeze_bn,
                     )
                     steps.append({"result": r, "grads": grads_of(model)})
                 bn = {k: v.clone() for k, v in model.bn.state_dict().items()}
                 out[(scenario, loss_name)] = {"steps": steps, "bn": bn}
+        out["failures"] = _failure_modes(rank, images, labels)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
+def _failure_modes(rank: int, images: torch.Tensor, labels: torch.Tensor) -> dict:
+    """Bad data on rank 1 only: every rank must fail (or skip) together instead of hanging."""
+
+    def poisoned(x: torch.Tensor) -> torch.Tensor:  # rank 1's images turn into NaN embeddings
+        y = preprocess(x)
+        return y * float("nan") if rank == 1 else y
+
+    loss_fn = SmoothAPLoss()
+    found: dict = {}
+    bad_labels = labels[:-1] if rank == 1 else labels
+    try:
+        global_batch_step(make_model(), images, bad_labels, loss_fn, 4, preprocess=preprocess)
+    except ValueError as e:
+        found["bad_labels"] = str(e)
+    for chunk, unused in ((4, False), (16, False), (16, True)):  # chunked, and one synced DDP forward
+        model = make_model(seed=2, unused=unused)
+        ddp = DistributedDataParallel(model, find_unused_parameters=unused)
+        try:
+            global_batch_step(ddp, images, labels, loss_fn, chunk, preprocess=poisoned)
+        except FloatingPointError as e:
+            found[f"nan_raise_{chunk}_{unused}"] = str(e)
+        r = global_batch_step(ddp, images, labels, loss_fn, chunk, preprocess=poisoned, skip_nonfinite=True)
+        skipped_grads = grads_of(model)
+        model.zero_grad(set_to_none=True)
+        # DDP must still be in step: a clean step afterwards gives the global-batch gradient.
+        after = global_batch_step(ddp, images, labels, loss_fn, chunk, preprocess=preprocess)
+        found[f"nan_skip_{chunk}_{unused}"] = {
+            "loss": r.loss.item(),
+            "grad_abs_sum": sum(float(g.abs().sum()) for g in skipped_grads.values()),
+            "after_loss": after.loss.item(),
+            "after_grads": grads_of(model),
+        }
+    return found
+
+
 def _expected(scenario: str, loss_name: str, sizes: list[int]) -> dict:
     _, chunk, freeze_bn, unused = SCENARIOS[scenario]
-    loss_cls, _ = LOSSES[loss_name]
+    make_loss, _ = LOSSES[loss_name]
     images, labels = make_batch(sum(sizes), seed=BATCH_SEED)
     model = make_model(seed=2, unused=unused)
     if freeze_bn:
-        loss, grads = reference_step(frozen_bn(model), loss_cls(), images, labels)
+        loss, grads = reference_step(frozen_bn(model), make_loss(), images, labels)
         return {"loss": loss, "grads": grads, "bn": model.bn.state_dict()}
     # Training-mode BatchNorm: every rank's chunks normalised with their own statistics.
     bounds, offset = [], 0
     for n in sizes:
         bounds += [(offset + s, offset + e) for s, e in bounds_of(n, chunk)]
         offset += n
-    loss, grads = reference_step(model, loss_cls(), images, labels, bounds)
+    loss, grads = reference_step(model, make_loss(), images, labels, bounds)
     rank0 = copy.deepcopy(model)  # DDP's rule: rank 0's running statistics win
     with torch.no_grad():
         for _ in range(2):
@@ -141,3 +186,19 @@ def test_every_rank_gets_the_global_batch_gradient(sizes: list[int], tmp_path: P
             # Every rank reports the same step.
             firsts = [out[(scenario, loss_name)]["steps"][0]["result"] for out in outs]
             assert len({(f.loss.item(), f.num_valid, f.count) for f in firsts}) == 1, scenario
+
+    # Failure on one rank: all ranks fail (or skip) together, and DDP stays usable afterwards.
+    images, labels = make_batch(sum(sizes), seed=BATCH_SEED)
+    models = {u: frozen_bn(make_model(seed=2, unused=u)) for u in (False, True)}
+    want = {u: reference_step(m, SmoothAPLoss(), images, labels)[1] for u, m in models.items()}
+    for rank, out in enumerate(outs):
+        f = out["failures"]
+        expected_message = "labels has" if rank == 1 else r"ranks \[1\] have an invalid"
+        assert re.search(expected_message, f["bad_labels"]), f["bad_labels"]
+        for chunk, unused in ((4, False), (16, False), (16, True)):
+            case = f"{chunk}_{unused}"
+            assert "rank(s) [1]" in f[f"nan_raise_{case}"]
+            skip = f[f"nan_skip_{case}"]
+            assert math.isnan(skip["loss"]) and skip["grad_abs_sum"] == 0.0, case
+            assert math.isfinite(skip["after_loss"]), case
+            assert_grads_close(skip["after_grads"], want[unused], 1e-8)

@@ -36,11 +36,11 @@ def _train_loop(config: dict) -> None:
     images, labels = make_batch(sum(sizes), seed=BATCH_SEED)
     images, labels = images[offset : offset + sizes[rank]], labels[offset : offset + sizes[rank]]
     out: dict = {"world": world}
-    for loss_name, (loss_cls, _) in LOSSES.items():
+    for loss_name, (make_loss, _) in LOSSES.items():
         model = make_model(seed=2)
         wrapped = ray.train.torch.prepare_model(model)
         result = global_batch_step(
-            wrapped, images, labels, loss_cls(), config["chunk"], preprocess=preprocess
+            wrapped, images, labels, make_loss(), config["chunk"], preprocess=preprocess
         )
         out[loss_name] = {"result": result, "grads": grads_of(model), "ddp": type(wrapped).__name__}
     # Workers share the driver's machine here: a file is the simplest way back.
@@ -69,8 +69,8 @@ def test_ray_torchtrainer_workers_get_the_global_batch_gradient(ray_cluster, tmp
 
     images, labels = make_batch(sum(SIZES), seed=BATCH_SEED)
     outs = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    for loss_name, (loss_cls, rtol) in LOSSES.items():
-        want_loss, want = reference_step(frozen_bn(make_model(seed=2)), loss_cls(), images, labels)
+    for loss_name, (make_loss, rtol) in LOSSES.items():
+        want_loss, want = reference_step(frozen_bn(make_model(seed=2)), make_loss(), images, labels)
         for out in outs:
             got = out[loss_name]
             assert out["world"] == 2
