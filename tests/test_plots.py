@@ -49,11 +49,13 @@ def test_recall_curve_png(tmp_path):
     recall_at_k_curve({"only": runs["step 0"]}, path=tmp_path / "one.png")
     one = read_png(tmp_path / "one.png")
     assert one.shape == (400, 640, 3) and not has_colour(one, rgb255("C1"))
-    small = recall_at_k_curve(
+    prefixed = recall_at_k_curve(
         {"a": {"val/recall@1": 0.5, "val/recall@8": 0.9, "recall@2": 0.1}}, prefix="val/"
     )
-    assert small.axes[0].get_xscale() == "linear"
-    assert list(small.axes[0].lines[0].get_xdata()) == [1, 8]
+    assert list(prefixed.axes[0].lines[0].get_xdata()) == [1, 8]  # only the prefixed keys
+    assert prefixed.axes[0].get_xscale() == "log"  # 1, 2, 4, 8 evenly spaced
+    narrow = recall_at_k_curve({"a": {"recall@1": 0.5, "recall@2": 0.6}})
+    assert narrow.axes[0].get_xscale() == "linear"
     with pytest.raises(ValueError, match="no 'recall@K' key"):
         recall_at_k_curve({"bad": {"map": 0.1}})
 
