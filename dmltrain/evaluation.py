@@ -37,6 +37,8 @@ _BLOCK_ELEMENTS = 1 << 26
 _SORT_PASSES = 16.0
 # Comparison passes run over row slabs of about this many values (1 MiB of float32: stays in L2 cache).
 _SLAB_ELEMENTS = 1 << 18
+# Candidates kept for sorting are counted whenever this many have accumulated (bounds their memory).
+_CANDIDATE_BUDGET = 1 << 22
 # On the torch (GPU) path, above this many positives per query a row sort beats one pass per positive.
 _TORCH_MAX_PASSES = 32
 
@@ -133,6 +135,20 @@ def _count_rows(s: np.ndarray, thr: np.ndarray, r: np.ndarray) -> np.ndarray:
     mask = np.empty((min(slab, b), n), dtype=bool)
     light_vals: list[np.ndarray] = []
     light_rows: list[np.ndarray] = []
+
+    def count_candidates() -> None:
+        """Sort the kept candidates by (row, similarity) and binary-search every threshold of their rows."""
+        rows = np.concatenate(light_rows)
+        keys = _sortable_keys(np.concatenate(light_vals), rows)
+        keys.sort()
+        lr = np.unique(rows)  # every row of a light slab has its worst positive among the candidates
+        tkeys = _sortable_keys(thr[lr, :p].ravel(), np.repeat(lr, p))
+        ends = np.searchsorted(keys, (lr + 1).astype(np.uint64) << np.uint64(32), side="left")
+        out[lr, :p] = ends[:, None] - np.searchsorted(keys, tkeys, side="left").reshape(len(lr), p)
+        light_vals.clear()
+        light_rows.clear()
+
+    kept = 0
     for lo in range(0, b, slab):
         hi = min(lo + slab, b)
         blk = s[lo:hi]
@@ -141,19 +157,17 @@ def _count_rows(s: np.ndarray, thr: np.ndarray, r: np.ndarray) -> np.ndarray:
             idx = np.flatnonzero(m)
             light_vals.append(blk.ravel()[idx])
             light_rows.append(lo + idx // n)
+            kept += len(idx)
+            if kept >= _CANDIDATE_BUDGET:  # bounded memory even when nearly everything is a candidate
+                count_candidates()
+                kept = 0
             continue
         out[np.arange(lo, hi), r[lo:hi] - 1] = m.view(np.uint8).sum(axis=1, dtype=np.int64)
         for j in range(p - 1):
             np.greater_equal(blk, thr[lo:hi, j : j + 1], out=m)
             out[lo:hi, j] = m.view(np.uint8).sum(axis=1, dtype=np.int64)
     if light_vals:
-        rows = np.concatenate(light_rows)
-        keys = _sortable_keys(np.concatenate(light_vals), rows)
-        keys.sort()
-        lr = np.unique(rows)  # every row of a light slab has its worst positive among the candidates
-        tkeys = _sortable_keys(thr[lr, :p].ravel(), np.repeat(lr, p))
-        ends = np.searchsorted(keys, (lr + 1).astype(np.uint64) << np.uint64(32), side="left")
-        out[lr, :p] = ends[:, None] - np.searchsorted(keys, tkeys, side="left").reshape(len(lr), p)
+        count_candidates()
     return out
 
 

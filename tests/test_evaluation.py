@@ -113,6 +113,7 @@ def test_every_counting_strategy_matches_brute_force(monkeypatch, sort_passes, t
     monkeypatch.setattr(ev, "_SORT_PASSES", sort_passes)
     monkeypatch.setattr(ev, "_TORCH_MAX_PASSES", torch_passes)
     monkeypatch.setattr(ev, "_SLAB_ELEMENTS", slab)
+    monkeypatch.setattr(ev, "_CANDIDATE_BUDGET", 500 if slab < 1000 else 1 << 22)
     rng = np.random.default_rng(3)
     # big classes (up to ~40 positives) and small ones, with and without structure
     for labels in (rng.integers(0, 6, 300), skewed_labels(rng, 300, 90)):
