@@ -210,6 +210,20 @@ def test_float32_value_and_gradient_match_float64_reference(case):
     torch.testing.assert_close(grad.double(), ref_x.grad, rtol=1e-4, atol=2e-5 * scale)
 
 
+@pytest.mark.parametrize("kind", ["fastap", "smoothap", "rll", "triplet"])
+def test_small_class_with_the_largest_label_next_to_a_big_class(kind):
+    """Regression: padded positive lists of the last class in label order once overwrote gradients."""
+    params = dict(next(p for k, p in CASES if k == kind))
+    g = torch.Generator().manual_seed(19)
+    y = torch.tensor([1] * 6 + [2] * 2 + [9] * 2 + [5])
+    y = y[torch.randperm(y.numel(), generator=g)]
+    x = F.normalize(torch.randn(y.numel(), 5, generator=g, dtype=torch.float64), dim=1)
+    ref_x = x.clone().requires_grad_(True)
+    ref_mean(kind, params, ref_x, y).backward()
+    _, grad = loss_and_grad(make_loss(kind, params), x, y)
+    torch.testing.assert_close(grad, ref_x.grad, rtol=1e-8, atol=1e-10)
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_float64_matches_reference_tightly_with_explicit_gallery(case):
     """Queries scored against a gallery that holds their own rows (excluded via query_index) or not."""

@@ -45,6 +45,26 @@ class PositiveSets:
         self._with_self = bool(has_self.any().item()) if self_col.numel() else False
         self.counts = end - self._start - has_self.long()
 
+    def padded(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Positive columns of each query in ``rows``, padded to the largest count: ``(cols, is_real)``.
+
+        Padding slots hold arbitrary (possibly repeated) valid column indices; mask them with ``is_real``.
+        """
+        counts = self.counts[rows]
+        width = int(counts.max().item()) if rows.numel() else 0
+        extra = 1 if self._with_self else 0
+        slots = torch.arange(width + extra, device=rows.device)
+        in_range = slots[None, :] < (counts + extra)[:, None]
+        last = self._order.numel() - 1
+        candidates = self._order[(self._start[rows, None] + slots).clamp_(max=last)]
+        real = in_range
+        if extra:
+            real = real & (candidates != self._self_col[rows, None])
+            # drop the self slot: stable-sort real entries first, keep `width` columns
+            order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)[:, :width]
+            candidates, real = candidates.gather(1, order), real.gather(1, order)
+        return candidates, real
+
     def indices(self, rows: Tensor, n: int) -> Tensor:
         """Reference columns of the ``n`` positives of each query in ``rows`` (all with count ``n``)."""
         extra = 1 if self._with_self else 0
@@ -67,7 +87,7 @@ class QueryBlock:
     rows: slice  # the block's rows among all queries
     positives: PositiveSets | None  # only built for kernels that ask for it
     chunk_elements: int  # element budget for (rows x positives x N) chunks
-    jacobian: Tensor | None  # (Qc, N) zero-initialised output buffer for dt_q/dvalues, or None
+    jacobian: Tensor | None  # (Qc, N) uninitialised output for dt_q/dvalues (write every entry), or None
 
     def same_label(self) -> Tensor:
         """(Qc, N) bool: reference shares the query's label (the query's own row included)."""
@@ -85,11 +105,12 @@ class QueryBlock:
         if rows.numel():
             tensor[rows, self.self_col[rows]] = 0
 
-    def positive_chunks(self) -> Iterator[tuple[int, Tensor, Tensor]]:
-        """Yield ``(n, rows, cols)``: block rows whose queries have ``n >= 1`` positives and their columns.
+    def positive_chunks(self) -> Iterator[tuple[int, Tensor, Tensor, Tensor]]:
+        """Yield ``(n, rows, cols, all_cols)`` for block rows whose queries have ``n >= 1`` positives.
 
-        ``cols`` is ``(len(rows), nc)`` with ``nc <= n``: when a single query's ``n x N`` slab exceeds the
-        chunk budget (a huge class), its positives come in several chunks.
+        ``all_cols`` (``len(rows) x n``) are all their positives' columns and ``cols`` the ones to process
+        now: all of them, or ``nc < n`` of them when a single query's ``n x N`` slab exceeds the chunk budget
+        (a huge class).
         """
         assert self.positives is not None
         counts = self.positives.counts[self.rows]
@@ -103,14 +124,31 @@ class QueryBlock:
                 step = max(1, self.chunk_elements // per_query)
                 for i in range(0, rows.numel(), step):
                     sub = rows[i : i + step]
-                    yield n, sub, self.positives.indices(sub + self.rows.start, n)
+                    cols = self.positives.indices(sub + self.rows.start, n)
+                    yield n, sub, cols, cols
             else:
                 pos_step = max(1, self.chunk_elements // max(n_ref, 1))
                 for i in range(rows.numel()):
                     sub = rows[i : i + 1]
                     cols = self.positives.indices(sub + self.rows.start, n)
                     for j in range(0, n, pos_step):
-                        yield n, sub, cols[:, j : j + pos_step]
+                        yield n, sub, cols[:, j : j + pos_step], cols
+
+
+def add_at_columns(rows_tensor: Tensor, cols: Tensor, values: Tensor, where: Tensor | None = None) -> None:
+    """``rows_tensor[i, cols[i, c]] += values[i, c]`` for columns distinct within each row.
+
+    Gather + indexed assignment instead of ``scatter_add_``: with distinct columns this is exact and
+    deterministic on every device, also under ``torch.use_deterministic_algorithms(True)`` on CUDA. Entries
+    with ``where`` False are skipped (padding slots may repeat a column).
+    """
+    if where is None:
+        row_ids = torch.arange(rows_tensor.shape[0], device=cols.device)[:, None].expand_as(cols)
+        rows_tensor[row_ids, cols] = rows_tensor[row_ids, cols] + values
+        return
+    row_ids, slot = torch.nonzero(where, as_tuple=True)
+    col_ids = cols[row_ids, slot]
+    rows_tensor[row_ids, col_ids] = rows_tensor[row_ids, col_ids] + values[row_ids, slot]
 
 
 @dataclass
@@ -149,7 +187,7 @@ class _RowwiseFunction(torch.autograd.Function):
         terms = torch.zeros(n_q, dtype=dtype, device=device)
         valid = torch.zeros(n_q, dtype=torch.bool, device=device)
         count = torch.zeros((), dtype=torch.float64, device=device)
-        jacobian = torch.zeros(n_q, n_ref, dtype=dtype, device=device) if need_jacobian else None
+        jacobian = torch.empty(n_q, n_ref, dtype=dtype, device=device) if need_jacobian else None
         if n_q and n_ref:
             positives = (
                 PositiveSets(query_labels, ref_labels, self_col) if kernel.needs_positive_sets else None
@@ -197,21 +235,22 @@ class _RowwiseFunction(torch.autograd.Function):
             return grad_q, grad_r, None, None, None, None, None
         sq_metric = ctx.metric == "sqeuclidean"
         col_sums = torch.zeros(n_ref, dtype=refs.dtype, device=refs.device) if sq_metric else None
-        # One float32 (rows x N) gradient block of at most the budget; matmuls like big blocks.
-        rows_per_block = max(1, ctx.budget_bytes // (4 * n_ref))
+        # dL/dvalues = grad_terms[:, None] * J. The row scaling is applied to the (rows x D) operands and
+        # results instead of to J, so backward makes no (rows x N) temporary at all. For "sqeuclidean",
+        # values = |q|^2 + |r|^2 - 2 q.r adds the norm terms. Blocks of ~1/16 of the budget suit matmuls.
+        scale = -2.0 if sq_metric else 1.0
+        rows_per_block = max(1, ctx.budget_bytes // (16 * n_ref))
         for start in range(0, n_q, rows_per_block):
             rows = slice(start, min(n_q, start + rows_per_block))
-            # dL/dvalues for this block; for "sqeuclidean", values = |q|^2 + |r|^2 - 2 q.r.
-            g = jacobian[rows] * grad_terms[rows, None]
-            scale = -2.0 if sq_metric else 1.0
+            jac, g = jacobian[rows], grad_terms[rows, None]
             if grad_q is not None:
-                grad_q[rows] = torch.mm(g, refs).mul_(scale)
+                grad_q[rows] = torch.mm(jac, refs).mul_(g * scale)
                 if sq_metric:
-                    grad_q[rows] += 2.0 * queries[rows] * g.sum(1, keepdim=True)
+                    grad_q[rows] += queries[rows] * (jac.sum(1, keepdim=True) * g * 2.0)
             if grad_r is not None:
-                grad_r.addmm_(g.T, queries[rows], alpha=scale)
+                grad_r.addmm_(jac.T, queries[rows] * g, alpha=scale)
                 if col_sums is not None:
-                    col_sums += g.sum(0)
+                    col_sums += torch.mv(jac.T, g.squeeze(1))
         if grad_r is not None and col_sums is not None:
             grad_r += 2.0 * refs * col_sums[:, None]
         return grad_q, grad_r, None, None, None, None, None

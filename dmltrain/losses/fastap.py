@@ -5,20 +5,21 @@ there are L+1 bin centres ``linspace(0, 4, L+1)`` on the squared distance ``d = 
 embeddings, triangular soft binning of width ``4/L``, ``|P_q|`` the hard count of positives and
 0/0 histogram terms counted as 0. The gradient is the true gradient of the mean loss (the released code's
 hand-written backward is B/2 times too large). Histograms are built per query row, block by block, from
-cumulative bin masses, so there is no ``B x B x (L+1)`` tensor and no scatter (deterministic on any device).
+cumulative bin masses (one clamp-and-sum pass per bin), so there is no ``B x B x (L+1)`` tensor and no
+scatter-add (deterministic on any device).
 """
 
 from __future__ import annotations
 
 import torch
 
-from dmltrain.losses._rowwise import BlockResult, QueryBlock
+from dmltrain.losses._rowwise import BlockResult, QueryBlock, add_at_columns
 from dmltrain.losses.base import DEFAULT_MEMORY_BUDGET_MB, RankingLoss
 
 
 class _FastAPKernel:
     metric = "dot"
-    needs_positive_sets = False
+    needs_positive_sets = True
 
     def __init__(self, num_bins: int) -> None:
         self.num_bins = num_bins
@@ -26,49 +27,72 @@ class _FastAPKernel:
     def __call__(self, block: QueryBlock) -> BlockResult:
         L = self.num_bins
         sim = block.values
-        pos = block.positive_mask()
-        n_pos = pos.sum(1)
+        n_rows = sim.shape[0]
+        assert block.positives is not None
+        n_pos = block.positives.counts[block.rows]
         valid = n_pos > 0
         # Distance in units of the bin width: t = (2 - 2s) / (4 / L); bin centres sit at t = 0, 1, ..., L.
-        t = torch.rsub(sim, 1.0).mul_(L / 2)
-        # Cumulative mass of one item in bins <= l is clamp(l + 1 - t, 0, 1) * clamp(1 + t, 0, 1): exactly the
-        # sum of the triangular kernels relu(1 - |t - k|) over k <= l, also for t outside [0, L].
-        mass = (t + 1).clamp_(0, 1)
-        block.zero_self(mass)
-        weights = torch.stack((mass, mass * pos), dim=2)  # (Qc, N, 2): all items, positives
-        cum = torch.empty(sim.shape[0], L + 1, 2, dtype=sim.dtype, device=sim.device)
+        # The query's own row is moved to t = L + 2, outside every bin.
+        t = sim.mul(-L / 2).add_(L / 2)
+        block.zero_self(t)
+        rows_with_self = torch.nonzero(block.self_col >= 0).squeeze(1)
+        t[rows_with_self, block.self_col[rows_with_self]] = L + 2.0
+        # The mass an item puts into bins <= l (sum of the triangles relu(1 - |t - k|), k <= l) is
+        # clamp(l + 1 - t, 0, 1) - clamp(-t, 0, 1): the second part only matters for t < 0 (outside [0, 4]).
+        # Sums of non-negative terms only, so no cancellation in float32 however large the gallery.
+        neg_t = t.neg()
+        below_zero = neg_t.clamp(0, 1).sum(1, keepdim=True)
+        cum_all = torch.empty(n_rows, L + 1, dtype=sim.dtype, device=sim.device)
         for level in range(L + 1):
-            below = torch.rsub(t, level + 1).clamp_(0, 1)
-            cum[:, level, :] = torch.bmm(below.unsqueeze(1), weights).squeeze(1)
-        cum_all, cum_pos = cum[..., 0], cum[..., 1]  # H_l and H+_l of Eq. 14
+            cum_all[:, level] = torch.add(neg_t, level + 1).clamp_(0, 1).sum(1)
+        cum_all -= below_zero
+        # Positives are few: their cumulative histogram comes from a padded gather of their t.
+        pos_cols, pos_real = block.positives.padded(torch.arange(n_rows, device=t.device) + block.rows.start)
+        t_pos = torch.where(pos_real, torch.gather(t, 1, pos_cols), L + 2.0)  # padding: outside every bin
+        levels = torch.arange(1, L + 2, dtype=sim.dtype, device=sim.device)
+        cum_pos = (levels[None, :, None] - t_pos[:, None, :]).clamp_(0, 1).sum(2)
+        cum_pos -= t_pos.neg().clamp_(0, 1).sum(1, keepdim=True)
         h_pos = torch.diff(cum_pos, dim=1, prepend=torch.zeros_like(cum_pos[:, :1]))
         safe = cum_all > 0
         inv_all = torch.where(safe, 1.0 / torch.where(safe, cum_all, 1.0), 0.0)
         prec = cum_pos * inv_all  # H+_l / H_l
         frac = h_pos * inv_all  # h+_l / H_l
         inv_npos = torch.where(valid, 1.0 / n_pos.clamp(min=1).to(sim.dtype), 0.0)
-        fast_ap = (frac * cum_pos).sum(1) * inv_npos
+        fast_ap = (frac * cum_pos).sum(1) * inv_npos  # Eq. 14
         terms = torch.where(valid, 1.0 - fast_ap, 0.0)
         if block.jacobian is not None:
-            # dFastAP/dH_l and dFastAP/dH+_l with H and H+ as independent variables (h+_l = H+_l - H+_{l-1}).
-            d_all = -(frac * prec) * inv_npos[:, None]
-            prec_next = torch.cat((prec[:, 1:], torch.zeros_like(prec[:, :1])), dim=1)
-            d_pos = (frac + prec - prec_next) * inv_npos[:, None]
-            # An item with t in (l, l+1) moves mass between bins l and l+1, i.e. changes only H_l, by -dt;
-            # with t in (-1, 0) it adds mass to every cumulative bin. Zero derivative exactly at bin centres,
-            # like autograd through relu(1 - |t - c|).
-            low = t.floor().clamp_(0, L)
-            interior = (t > low) & (t < low + 1)
-            idx = low.long()
-            grad_t = torch.gather(d_all, 1, idx).add_(torch.gather(d_pos, 1, idx).mul_(pos)).mul_(interior)
-            grad_t.neg_()
-            tail = (t < 0) & (t > -1)
-            if bool(tail.any().item()):
-                grad_t += tail * (d_all.sum(1, keepdim=True) + pos * d_pos.sum(1, keepdim=True))
-            block.zero_self(grad_t)
-            # term = 1 - FastAP and dt/ds = -L/2, so dterm/ds = (L/2) dFastAP/dt.
-            block.jacobian.copy_(grad_t.mul_(L / 2))
+            self._jacobian(block, t, pos_cols, pos_real, frac, prec, inv_npos, below_zero)
         return BlockResult(terms=terms, count=valid.sum(), valid=valid)
+
+    def _jacobian(self, block, t, pos_cols, pos_real, frac, prec, inv_npos, below_zero) -> None:
+        """d(1 - FastAP_q)/ds_qj from dFastAP/dH_l and dFastAP/dH+_l (supplement C.3, on cumulative bins)."""
+        L = self.num_bins
+        assert block.jacobian is not None
+        # With H and H+ as independent variables (h+_l = H+_l - H+_{l-1}):
+        d_all = -(frac * prec) * inv_npos[:, None]
+        prec_next = torch.cat((prec[:, 1:], torch.zeros_like(prec[:, :1])), dim=1)
+        d_pos = (frac + prec - prec_next) * inv_npos[:, None]
+        # An item with t in (l, l+1) only changes H_l, by -dt. Zero derivative exactly at bin centres, as
+        # autograd gives through relu(1 - |t - c|). The last column of the table is that zero.
+        low = t.floor().clamp_(0, L)
+        offset = t - low
+        interior = (offset > 0) & (offset < 1)
+        table = torch.cat((d_all, torch.zeros_like(d_all[:, :1])), dim=1)
+        idx = torch.where(interior, low.long(), L + 1)
+        grad_t = torch.gather(table, 1, idx).neg_()
+        # positives also move H+
+        pos_low = torch.gather(low, 1, pos_cols).long()
+        pos_interior = torch.gather(interior, 1, pos_cols) & pos_real
+        pos_grad = torch.where(pos_interior, -torch.gather(d_pos, 1, pos_low), 0.0)
+        # t in (-1, 0) (only for non-normalised inputs) adds mass to every cumulative bin
+        if bool((below_zero > 0).any().item()):
+            tail = (t < 0) & (t > -1)
+            grad_t += tail * d_all.sum(1, keepdim=True)
+            pos_tail = torch.gather(tail, 1, pos_cols) & pos_real
+            pos_grad += pos_tail * d_pos.sum(1, keepdim=True)
+        add_at_columns(grad_t, pos_cols, pos_grad, where=pos_real)
+        # term = 1 - FastAP and dt/ds = -L/2, so dterm/ds = (L/2) dFastAP/dt.
+        torch.mul(grad_t, L / 2, out=block.jacobian)
 
 
 class FastAPLoss(RankingLoss):

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from dmltrain.losses._rowwise import BlockResult, QueryBlock
+from dmltrain.losses._rowwise import BlockResult, QueryBlock, add_at_columns
 from dmltrain.losses.base import DEFAULT_MEMORY_BUDGET_MB, RankingLoss
 
 
@@ -26,38 +26,41 @@ class _SmoothAPKernel:
     def __call__(self, block: QueryBlock) -> BlockResult:
         tau = self.temperature
         scaled = block.values / tau
-        pos_mask = block.positive_mask().to(scaled.dtype)
         assert block.positives is not None
         n_pos = block.positives.counts[block.rows]
         valid = n_pos > 0
         ap_sum = torch.zeros_like(scaled[:, 0])
-        has_self = block.self_col >= 0
+        has_self = block.self_col >= 0  # all or none: set by whether query_index was given
         jac = block.jacobian
-        for n, rows, cols in block.positive_chunks():
+        if jac is not None:
+            jac.zero_()
+        for n, rows, cols, all_cols in block.positive_chunks():
+            c = cols.shape[1]
             s_rows = scaled[rows]  # (k, N)
             s_pos = torch.gather(s_rows, 1, cols)  # (k, c): s_qi / tau for the chunk's positives i
             # G[q, i, j] = sigmoid((s_qj - s_qi) / tau): does j rank above positive i?
             g = torch.sigmoid_(s_rows[:, None, :] - s_pos[:, :, None])  # (k, c, N)
             g.scatter_(2, cols[:, :, None], 0.0)  # j != i
             if bool(has_self[rows].any().item()):
-                self_cols = block.self_col[rows].clamp(min=0)[:, None, None].expand(-1, cols.shape[1], 1)
+                self_cols = block.self_col[rows][:, None, None].expand(-1, c, 1)
                 g.scatter_(2, self_cols, 0.0)  # the query itself is not retrieved
-            pm = pos_mask[rows]  # (k, N)
-            rank_all = 1.0 + g.sum(2)  # (k, c)
-            rank_pos = 1.0 + torch.bmm(g, pm[:, :, None]).squeeze(2)
+            rank_all = 1.0 + g.sum(2)  # (k, c): 1 + sum over the retrieval set
+            g_pos = torch.gather(g, 2, all_cols[:, None, :].expand(-1, c, -1))  # (k, c, n)
+            rank_pos = 1.0 + g_pos.sum(2)  # 1 + sum over the positive set
             ratio = rank_pos / rank_all
             ap_sum[rows] += ratio.sum(1)
-            if jac is not None:
-                # term = 1 - (1/n) sum_i rank_pos_i / rank_all_i; d term / dG_ij = c_i (pm_j - ratio_i) with
-                # c_i = -1 / (n rank_all_i), and dG_ij / ds_qj = -dG_ij / ds_qi = G (1 - G) / tau.
-                coef = -1.0 / (n * tau * rank_all)  # (k, c)
-                slope = g.sub_(g * g)  # G (1 - G); reuses g's storage, masked entries stay 0
-                u_pos = torch.bmm(coef[:, None, :], slope).squeeze(1)  # (k, N)
-                u_all = torch.bmm((coef * ratio)[:, None, :], slope).squeeze(1)
-                rows_jac = jac[rows] + pm * u_pos - u_all
-                through_i = coef * (torch.bmm(slope, pm[:, :, None]).squeeze(2) - ratio * slope.sum(2))
-                rows_jac.scatter_add_(1, cols, -through_i)  # distinct columns per row: deterministic
-                jac[rows] = rows_jac
+            if jac is None:
+                continue
+            # term = 1 - (1/n) sum_i rank_pos_i / rank_all_i, so d term / dG_ij = c_i ([j in P] - ratio_i)
+            # with c_i = -1 / (n rank_all_i); and dG_ij / ds_qj = -dG_ij / ds_qi = G (1 - G) / tau.
+            coef = -1.0 / (n * tau * rank_all)  # (k, c)
+            slope = g.sub_(g * g)  # G (1 - G) in g's storage; masked entries stay 0
+            slope_pos = g_pos - g_pos * g_pos
+            rows_jac = jac[rows] - torch.bmm((coef * ratio)[:, None, :], slope).squeeze(1)
+            add_at_columns(rows_jac, all_cols, torch.einsum("kc,kcn->kn", coef, slope_pos))
+            through_i = coef * (slope_pos.sum(2) - ratio * slope.sum(2))
+            add_at_columns(rows_jac, cols, -through_i)
+            jac[rows] = rows_jac
         denom = n_pos.clamp(min=1).to(scaled.dtype)
         terms = torch.where(valid, 1.0 - ap_sum / denom, 0.0)
         return BlockResult(terms=terms, count=valid.sum(), valid=valid)

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from dmltrain.losses._rowwise import BlockResult, QueryBlock
+from dmltrain.losses._rowwise import BlockResult, QueryBlock, add_at_columns
 from dmltrain.losses.base import DEFAULT_MEMORY_BUDGET_MB, RankingLoss
 
 
@@ -30,7 +30,9 @@ class _TripletKernel:
         terms = torch.zeros_like(d2[:, 0])
         active_per_anchor = torch.zeros(d2.shape[0], dtype=torch.int64, device=d2.device)
         jac = block.jacobian
-        for _, rows, cols in block.positive_chunks():
+        if jac is not None:
+            jac.zero_()
+        for _, rows, cols, _ in block.positive_chunks():
             d2_ap = torch.gather(d2[rows], 1, cols)  # (k, c)
             hinge = (d2_ap + self.margin)[:, :, None] - d2_neg[rows][:, None, :]  # (k, c, N)
             active = hinge > 0
@@ -40,7 +42,7 @@ class _TripletKernel:
                 act = active.to(d2.dtype)
                 # d hinge / d d2(a, n) = -1 and d hinge / d d2(a, p) = +1 for every active triplet.
                 rows_jac = jac[rows] - act.sum(1)
-                rows_jac.scatter_add_(1, cols, act.sum(2))  # distinct columns per row: deterministic
+                add_at_columns(rows_jac, cols, act.sum(2))
                 jac[rows] = rows_jac
         valid = active_per_anchor > 0
         return BlockResult(terms=terms, count=active_per_anchor.sum(), valid=valid)
