@@ -1,0 +1,307 @@
+"""Time and peak memory of loss forward+backward: dmltrain vs pytorch-metric-learning 2.9.0 vs a matmul floor.
+
+Usage:  python bench/losses.py                 # B in {256, 1024, 4096}, D = 512, 4 images per class
+        python bench/losses.py --quick         # B in {256, 1024}, one timed run, no PML Smooth-AP past 256
+        python bench/losses.py --pml-max-batch smoothap=256 --sizes 1024 4096
+
+Every (contender, B) case runs in a fresh subprocess so that memory figures do not leak between cases:
+- memory = peak resident set size of the first forward+backward minus the RSS just before it
+  (Linux VmHWM after resetting it through /proc/self/clear_refs, minus VmRSS). That counts everything the
+  call touches (torch's CPU allocator goes straight to malloc/mmap, which tracemalloc cannot see), inputs
+  excluded; it is slightly pessimistic because allocator slack counts too.
+- time = best of --repeats further runs (or the first run when it took longer than --slow-seconds).
+- floor = S = E E^T (B x B x D) forward plus its backward dE = G E + G^T E with a precomputed G: the least any
+  loss on a B x B similarity matrix must do.
+PML runs that would not fit in memory are skipped (PML Smooth-AP builds B^3 tensors) and every subprocess has
+an address-space limit of the memory available when the bench starts, so nothing can take the machine down.
+Ratios compare cases of the same run; absolute seconds depend on what else the machine is doing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+OURS = {"fastap": "FastAPLoss", "smoothap": "SmoothAPLoss", "rll": "RankedListLoss", "triplet": "TripletLoss"}
+PML = {
+    "fastap": "FastAPLoss",
+    "smoothap": "SmoothAPLoss",
+    "rll": "RankedListLoss",
+    "triplet": "TripletMarginLoss",
+}
+LOSS_TITLES = {"fastap": "FastAP", "smoothap": "Smooth-AP", "rll": "Ranked List", "triplet": "triplet"}
+# Measured here: PML Smooth-AP peaks near 5.3 float32 B^3 tensors (22.4 GB at B = 1024).
+PML_SMOOTHAP_BYTES_PER_B3 = 5.3 * 4
+GIB = 2**30
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _make_case(contender: str, loss: str, batch: int, dim: int, per_class: int):
+    """Inputs and a closure doing one forward+backward; built before the memory baseline."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    labels = torch.arange(batch // per_class).repeat_interleave(per_class)  # contiguous classes: PML needs it
+    x = F.normalize(torch.randn(batch, dim), dim=1).requires_grad_(True)
+    if contender == "floor":
+        upstream = torch.randn(batch, batch)
+        return x, lambda: (x @ x.T).backward(upstream)
+    if contender == "dmltrain":
+        import dmltrain.losses as ours
+
+        fn = {
+            "fastap": lambda: ours.FastAPLoss(num_bins=10),
+            "smoothap": lambda: ours.SmoothAPLoss(temperature=0.01),
+            "rll": lambda: ours.RankedListLoss(margin=0.4, alpha=None, tn=10.0, tp=0.0, lam=0.5),
+            "triplet": lambda: ours.TripletLoss(margin=0.2),
+        }[loss]()
+    else:
+        import warnings
+
+        from pytorch_metric_learning import distances
+        from pytorch_metric_learning import losses as pml
+
+        warnings.filterwarnings("ignore", message="Values of Tp or Tn are too high")
+        fn = {
+            "fastap": lambda: pml.FastAPLoss(num_bins=10),
+            "smoothap": lambda: pml.SmoothAPLoss(temperature=0.01),
+            "rll": lambda: pml.RankedListLoss(margin=0.4, Tn=10.0, imbalance=0.5, alpha=None, Tp=0.0),
+            "triplet": lambda: pml.TripletMarginLoss(margin=0.2, distance=distances.LpDistance(power=2)),
+        }[loss]()
+    return x, lambda: fn(x, labels).backward()
+
+
+def _worker(spec: dict) -> dict:
+    """Runs in a fresh interpreter: one case, memory on the first call, then timed repeats."""
+    import torch
+
+    x, step = _make_case(spec["contender"], spec["loss"], spec["batch"], spec["dim"], spec["per_class"])
+    (x[:8] @ x[:8].T).sum().item()  # start torch's thread pool outside the measurement
+    limit = spec.get("address_space_limit")
+    if limit:  # whatever is mapped now (libraries, inputs) plus at most the memory that was available
+        mapped = _status_kb("VmSize") * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + limit, resource.RLIM_INFINITY))
+    base_kb = _status_kb("VmRSS")
+    _reset_peak_rss()
+    start = time.perf_counter()
+    step()
+    first = time.perf_counter() - start
+    peak_kb = _status_kb("VmHWM")
+    times = []
+    if first < spec["slow_seconds"]:
+        for _ in range(spec["repeats"]):
+            x.grad = None
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+    return {
+        "seconds": min(times) if times else first,
+        "first_seconds": first,
+        "peak_bytes": max(0, peak_kb - base_kb) * 1024,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _run_case(spec: dict) -> dict:
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        oom = any(k in proc.stderr for k in ("can't allocate memory", "MemoryError", "std::bad_alloc"))
+        return {"error": "out of memory" if oom else tail[0][:80]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _mem_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not in /proc/meminfo")
+
+
+def _fmt_s(r: dict | None) -> str:
+    return "" if r is None else (r.get("skip") or r.get("error") or f"{r['seconds']:.3f}")
+
+
+def _fmt_mb(r: dict | None) -> str:
+    if r is None or "seconds" not in r:
+        return ""
+    return f"{r['peak_bytes'] / 2**20:.0f}"
+
+
+def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
+    if a is None or b is None or "seconds" not in a or "seconds" not in b or b[key] <= 0:
+        return None
+    return a[key] / b[key]
+
+
+def _fmt_ratio(v: float | None) -> str:
+    return "" if v is None else f"{v:.1f}x" if v >= 10 else f"{v:.2f}x"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=None, help="batch sizes (default 256 1024 4096)"
+    )
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--per-class", type=int, default=4, help="images per class")
+    parser.add_argument("--losses", nargs="+", default=list(OURS), choices=list(OURS))
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs after the first (best is reported)"
+    )
+    parser.add_argument(
+        "--slow-seconds", type=float, default=8.0, help="no repeats when the first run is slower"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="B in {256, 1024}, 1 repeat, PML Smooth-AP <= 256"
+    )
+    parser.add_argument("--no-pml", action="store_true", help="skip pytorch-metric-learning entirely")
+    parser.add_argument(
+        "--pml-max-batch",
+        action="append",
+        default=[],
+        metavar="LOSS=B",
+        help="skip PML's LOSS above batch B (e.g. smoothap=1024); PML Smooth-AP is also skipped whenever its "
+        "B^3 tensors would not fit in the available memory",
+    )
+    parser.add_argument("--memory-margin-gb", type=float, default=2.0, help="memory left to everything else")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(_worker(json.loads(args.worker))))
+        return 0
+
+    sizes = args.sizes or ([256, 1024] if args.quick else [256, 1024, 4096])
+    repeats = 1 if args.quick else args.repeats
+    pml_max = {"smoothap": 256} if args.quick else {}
+    for item in args.pml_max_batch:
+        name, _, value = item.partition("=")
+        if name not in PML or not value.isdigit():
+            parser.error(f"--pml-max-batch expects LOSS=B with LOSS in {list(PML)}, got {item!r}")
+        pml_max[name] = int(value)
+    available = _mem_available_bytes()
+    budget = int(available - args.memory_margin_gb * GIB)
+    base = {
+        "dim": args.dim,
+        "per_class": args.per_class,
+        "repeats": repeats,
+        "slow_seconds": args.slow_seconds,
+    }
+    base["address_space_limit"] = budget
+
+    print(
+        f"# dmltrain losses vs pytorch-metric-learning 2.9.0: forward+backward, D={args.dim}, "
+        f"{args.per_class} per class, memory available {available / GIB:.1f} GiB",
+        flush=True,
+    )
+    results: dict[tuple[str, str, int], dict] = {}
+    for batch in sizes:
+        spec = dict(base, batch=batch, loss="", contender="floor")
+        results[("floor", "", batch)] = _run_case(spec)
+        for loss in args.losses:
+            results[("dmltrain", loss, batch)] = _run_case(
+                dict(base, batch=batch, loss=loss, contender="dmltrain")
+            )
+            if args.no_pml:
+                continue
+            need = PML_SMOOTHAP_BYTES_PER_B3 * batch**3 if loss == "smoothap" else 0
+            if batch > pml_max.get(loss, batch):
+                results[("pml", loss, batch)] = {"skip": "skipped (flag)"}
+            elif need > budget:
+                results[("pml", loss, batch)] = {"skip": "skipped (B^3 memory)", "need": need}
+            else:
+                results[("pml", loss, batch)] = _run_case(dict(base, batch=batch, loss=loss, contender="pml"))
+            print(f"  done B={batch} {loss}", file=sys.stderr, flush=True)
+
+    threads = next((r["threads"] for r in results.values() if "threads" in r), "?")
+    print(f"# torch threads: {threads}; time = best of {repeats} after a first run; memory = extra peak RSS")
+    print()
+    print(
+        "| B | loss | dmltrain s | dmltrain MiB | PML s | PML MiB | PML/dmltrain time | PML/dmltrain memory "
+        "| dmltrain/floor time |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for batch in sizes:
+        floor = results[("floor", "", batch)]
+        print(f"| {batch} | floor (E E^T fwd+bwd) | {_fmt_s(floor)} | {_fmt_mb(floor)} | | | | | 1.00x |")
+        for loss in args.losses:
+            ours, pml = results[("dmltrain", loss, batch)], results.get(("pml", loss, batch))
+            print(
+                f"| {batch} | {LOSS_TITLES[loss]} | {_fmt_s(ours)} | {_fmt_mb(ours)} "
+                f"| {_fmt_s(pml)} | {_fmt_mb(pml)} "
+                f"| {_fmt_ratio(_ratio(pml, ours, 'seconds'))} "
+                f"| {_fmt_ratio(_ratio(pml, ours, 'peak_bytes'))} "
+                f"| {_fmt_ratio(_ratio(ours, floor, 'seconds'))} |"
+            )
+    print()
+    _print_goals(results, sizes, args.losses)
+    return 0
+
+
+def _print_goals(results: dict, sizes: list[int], losses: list[str]) -> None:
+    """The issue's targets, each marked met / NOT met / not measured in this run."""
+
+    def verdict(ok: bool | None) -> str:
+        return "not measured in this run" if ok is None else "met" if ok else "NOT met"
+
+    def get(contender: str, loss: str, batch: int) -> dict | None:
+        r = results.get((contender, loss, batch))
+        return r if r is not None and "seconds" in r else None
+
+    print("Goals:")
+    ours, pml = get("dmltrain", "smoothap", 1024), get("pml", "smoothap", 1024)
+    speed = _ratio(pml, ours, "seconds")
+    print(
+        f"- Smooth-AP B=1024 under 1/40 of PML's time: {verdict(None if speed is None else speed >= 40)}"
+        + (f" ({speed:.0f}x faster)" if speed else "")
+    )
+    mem_ok = None if ours is None else ours["peak_bytes"] < 1.2e9
+    print(
+        f"- Smooth-AP B=1024 under 1.2 GB: {verdict(mem_ok)}"
+        + (f" ({ours['peak_bytes'] / 1e9:.2f} GB)" if ours else "")
+    )
+    ours, pml = get("dmltrain", "fastap", 4096), get("pml", "fastap", 4096)
+    speed, mem = _ratio(pml, ours, "seconds"), _ratio(pml, ours, "peak_bytes")
+    print(
+        f"- FastAP B=4096 at most 1/3 of PML's time: {verdict(None if speed is None else speed >= 3)}"
+        + (f" ({speed:.1f}x faster)" if speed else "")
+    )
+    print(
+        f"- FastAP B=4096 at most half PML's memory: {verdict(None if mem is None else mem >= 2)}"
+        + (f" ({mem:.1f}x less)" if mem else "")
+    )
+    for loss in ("fastap", "smoothap"):
+        ratio = _ratio(get("dmltrain", loss, 4096), get("floor", "", 4096), "seconds")
+        ok = None if ratio is None else ratio <= 3
+        print(
+            f"- {LOSS_TITLES[loss]} B=4096 within 3x the floor: {verdict(ok)}"
+            + (f" ({ratio:.2f}x)" if ratio else "")
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
