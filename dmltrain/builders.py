@@ -1,4 +1,4 @@
-"""Turn validated config sections into training objects (optimizer, schedule).
+"""Turn validated config sections into training objects (loss, optimizer, schedules).
 
 Kept apart from the worker loop so the same construction serves training, resuming and tests.
 """
@@ -9,7 +9,14 @@ import math
 
 import torch
 
-from dmltrain.config import OptimConfig
+from dmltrain.config import (
+    FastAPConfig,
+    LossConfig,
+    OptimConfig,
+    RankedListConfig,
+    SmoothAPConfig,
+)
+from dmltrain.losses import FastAPLoss, RankedListLoss, RankingLoss, SmoothAPLoss, TnSchedule, TripletLoss
 from dmltrain.models import EmbeddingNet, parameter_groups
 
 
@@ -40,3 +47,22 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, total_steps, step))
+
+
+def build_loss(cfg: LossConfig) -> RankingLoss:
+    """The configured ranking loss with the papers' argument names."""
+    if isinstance(cfg, FastAPConfig):
+        return FastAPLoss(num_bins=cfg.num_bins)
+    if isinstance(cfg, SmoothAPConfig):
+        return SmoothAPLoss(temperature=cfg.temperature)
+    if isinstance(cfg, RankedListConfig):
+        return RankedListLoss(margin=cfg.margin, alpha=cfg.alpha, tn=cfg.tn, tp=cfg.tp, lam=cfg.lam)
+    return TripletLoss(margin=cfg.margin)
+
+
+def build_tn_schedule(cfg: LossConfig, loss: RankingLoss) -> TnSchedule | None:
+    """RLL's dynamic Tn (Eq. 15) when the config asks for one; it drives ``loss.tn`` as it steps."""
+    if isinstance(cfg, RankedListConfig) and cfg.tn_schedule is not None:
+        assert isinstance(loss, RankedListLoss)
+        return TnSchedule(loss, cfg.tn_schedule.start, cfg.tn_schedule.end, cfg.tn_schedule.steps)
+    return None

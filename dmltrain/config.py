@@ -32,7 +32,6 @@ class DataConfig(_Section):
         default=None, description="Build this embedded data set into `root` on first use (no download)."
     )
     train_split: str = "train"
-    eval_split: str = "test"
     image_size: int = Field(default=224, ge=8, description="Side of the square crop the network sees.")
     resize: int | None = Field(default=None, ge=8, description="Test-time resize before the centre crop.")
     crop_scale: tuple[float, float] = Field(default=(0.16, 1.0), description="RandomResizedCrop scale range.")
@@ -51,7 +50,15 @@ class SamplerConfig(_Section):
 
     name: Literal["pk", "hard", "vehicleid", "random", "triplet"] = "pk"
     samples_per_class: int = Field(default=4, ge=1, description="K images per class (Smooth-AP |P|).")
-    buffer_images_per_class: int = Field(default=16, ge=1, description="Stream buffer cap per class.")
+    pool_images: int | None = Field(
+        default=None, ge=1, description="Images buffered per loader worker; None = max(8 x batch, 1024)."
+    )
+    batches_per_pair: int | None = Field(
+        default=None, ge=1, description="hard: batches per category pair; None = dataset hint (SOP 5)."
+    )
+    in_category_negatives: float = Field(
+        default=0.5, ge=0, le=1, description="triplet: share of negatives from the query's own category."
+    )
     seed: int = 0
 
 

@@ -1,9 +1,9 @@
 """MLflow tracking: one MLflow run per dmltrain run, resumed (not duplicated) when the run is relaunched.
 
 Only the driver creates or finds the run (keyed by storage path + run name, the same key Ray Train uses to
-resume), and only rank 0 writes to it. Metrics are buffered and written when a checkpoint is reported, so
-after a failure the metric history holds exactly the steps whose effect survives in the checkpoint: the
-steps Ray replays after a restart are never logged twice.
+resume), and only rank 0 writes to it. Metrics go out as they are produced, so the MLflow UI is live. After
+a restart Ray replays the steps since the last checkpoint (from the same data stream position); the logger
+starts from the steps already stored for each metric and skips those, so no step appears twice.
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 RUN_KEY_TAG = "dmltrain.run_key"
 _MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 _BATCH = 100  # params or metrics per log_batch call, well under MLflow's limits
+
+
+def metric_name(key: str) -> str:
+    """MLflow forbids ``@`` in metric names: ``eval/test/recall@1`` is logged as ``eval/test/recall_at_1``."""
+    return key.replace("@", "_at_")
 
 
 def resolve_tracking_uri(configured: str | None) -> str:
@@ -84,36 +89,35 @@ def finish_run(tracking_uri: str, run_id: str, success: bool) -> None:
 
 
 class RunLogger:
-    """Rank 0's handle on the MLflow run: buffered metrics, figures, checkpoints and the final model."""
+    """Rank 0's handle on the MLflow run: metrics, figures, checkpoints and the final model."""
 
     def __init__(self, tracking_uri: str, run_id: str) -> None:
         self.client = MlflowClient(tracking_uri)
         self.run_id = run_id
-        self._pending: list[Metric] = []
+        # Highest step already stored per metric: replayed steps at or below it are not logged again.
+        self._logged_through = {
+            key: max(m.step for m in self.client.get_metric_history(run_id, key))
+            for key in self.client.get_run(run_id).data.metrics
+        }
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Queue metrics for ``step``; they reach MLflow at the next :meth:`flush`."""
+        """Log ``metrics`` at ``step`` unless this step of that metric is already stored (a replay)."""
         now = int(time.time() * 1000)
-        self._pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+        fresh = []
+        for key, value in metrics.items():
+            name = metric_name(key)
+            if step > self._logged_through.get(name, -1):
+                fresh.append(Metric(name, float(value), now, step))
+                self._logged_through[name] = step
+        for start in range(0, len(fresh), _BATCH):
+            self.client.log_batch(self.run_id, metrics=fresh[start : start + _BATCH])
 
-    def flush(self) -> None:
-        """Write queued metrics; called together with a checkpoint (see module docstring)."""
-        pending, self._pending = self._pending, []
-        for start in range(0, len(pending), _BATCH):
-            self.client.log_batch(self.run_id, metrics=pending[start : start + _BATCH])
-
-    def discard_pending(self) -> None:
-        self._pending = []
-
-    def logged_steps(self, key: str) -> list[int]:
-        """Steps at which ``key`` was logged (used by tests and by resume sanity checks)."""
-        return [m.step for m in self.client.get_metric_history(self.run_id, key)]
+    def history(self, key: str) -> dict[int, float]:
+        """``step -> value`` of a metric as stored, across every attempt of a resumed run."""
+        return {m.step: m.value for m in self.client.get_metric_history(self.run_id, key)}
 
     def log_figure(self, figure: Figure, artifact_file: str) -> None:
-        import matplotlib.pyplot as plt
-
         self.client.log_figure(self.run_id, figure, artifact_file)
-        plt.close(figure)
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)

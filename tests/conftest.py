@@ -30,3 +30,11 @@ def ray_cluster():
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def glyphs_root(tmp_path_factory: pytest.TempPathFactory):
+    """The embedded glyph data set, built once per session (the quickstart's bundled data)."""
+    from dmltrain.data import ensure_glyphs
+
+    return ensure_glyphs(tmp_path_factory.mktemp("glyphs"))

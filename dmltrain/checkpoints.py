@@ -1,0 +1,56 @@
+"""Training-state checkpoints: what a restarted worker group needs to continue exactly where it stopped.
+
+Rank 0 writes the replicated state (model, optimizer, schedule, step); every rank writes its own stream
+position, because each rank reads different shards. Ray Train merges the per-rank directories into one
+checkpoint, so a restored rank finds both files side by side.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATE_FILE = "state.pt"
+
+
+def sampler_file(rank: int) -> str:
+    return f"stream_rank{rank:04d}.pt"
+
+
+@dataclass
+class TrainingState:
+    """Everything replicated across ranks that a resumed run must restore."""
+
+    step: int
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    counters: dict[str, float] = field(default_factory=dict)
+    world_size: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def save_state(directory: str | os.PathLike[str], state: TrainingState) -> Path:
+    path = Path(directory) / STATE_FILE
+    torch.save(state.__dict__, path)
+    return path
+
+
+def load_state(directory: str | os.PathLike[str]) -> TrainingState:
+    path = Path(directory) / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {directory} has no {STATE_FILE}")
+    return TrainingState(**torch.load(path, map_location="cpu", weights_only=False))
+
+
+def save_stream_state(directory: str | os.PathLike[str], rank: int, state: dict[str, Any]) -> None:
+    torch.save(state, Path(directory) / sampler_file(rank))
+
+
+def load_stream_state(directory: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
+    path = Path(directory) / sampler_file(rank)
+    return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None

@@ -1,0 +1,215 @@
+"""Evaluation during training: every worker embeds its part of each test split, rank 0 scores the union.
+
+Splitting the embedding work keeps evaluation as parallel as training; the metrics themselves need the
+whole split in one place, so embeddings (B x D floats, small next to the images) are gathered. For the
+retrieval-grid plot each rank keeps tiny thumbnails of its own images and sends only those the grid shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from dmltrain.data import DatasetInfo, EvalLoader
+from dmltrain.distributed import all_gather_sizes, all_gather_uneven, get_world_size
+from dmltrain.evaluation import nearest_neighbors, retrieval_metrics
+from dmltrain.models import normalize_images
+
+if TYPE_CHECKING:
+    from dmltrain.config import ExperimentConfig
+    from dmltrain.tracking import RunLogger
+
+THUMBNAIL_SIZE = 48
+
+
+@dataclass
+class EmbeddedSplit:
+    """A split's embeddings and labels in rank order (complete on rank 0 after the gather)."""
+
+    embeddings: torch.Tensor
+    labels: torch.Tensor
+    sizes: list[int]
+    thumbnails: dict[int, np.ndarray] = field(default_factory=dict)  # this rank's rows only, global index
+
+
+def _thumbnail(images: torch.Tensor) -> torch.Tensor:
+    if images.shape[-1] <= THUMBNAIL_SIZE:
+        return images
+    return F.interpolate(images.float(), size=THUMBNAIL_SIZE, mode="bilinear", antialias=True).round().byte()
+
+
+@torch.no_grad()
+def embed_split(
+    net: nn.Module,
+    config: ExperimentConfig,
+    info: DatasetInfo,
+    split: str,
+    device: torch.device,
+    rank: int,
+    world: int,
+    keep_thumbnails: bool,
+    autocast_dtype: torch.dtype | None = None,
+) -> EmbeddedSplit:
+    """Embed this rank's shards of ``split`` and gather every rank's rows (in rank order)."""
+    loader = EvalLoader(
+        config.data.root,
+        split,
+        config.eval.batch_size,
+        rank=rank,
+        world_size=world,
+        num_workers=config.data.loader_workers,
+        image_size=config.data.image_size,
+        resize=config.data.resize,
+        info=info,
+    )
+    was_training = net.training
+    net.eval()
+    chunks, labels, thumbs = [], [], []
+    limit = config.eval.max_images
+    seen = 0
+    progress = tqdm(
+        total=loader.num_samples, desc=f"embed {split}", unit="img", disable=rank != 0, leave=False
+    )
+    for images, batch_labels, _categories, _keys in loader:
+        if limit is not None and seen >= limit // world:
+            break
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            out = net(normalize_images(images.to(device, non_blocking=True)))
+        chunks.append(out.float())
+        labels.append(batch_labels)
+        if keep_thumbnails:
+            thumbs.append(_thumbnail(images))
+        seen += len(images)
+        progress.update(len(images))
+    progress.close()
+    net.train(was_training)
+    dim = config.model.embedding_dim
+    local = torch.cat(chunks) if chunks else torch.empty(0, dim, device=device)
+    local_labels = torch.cat(labels) if labels else torch.empty(0, dtype=torch.int64)
+    sizes = all_gather_sizes(len(local), device)
+    offset = sum(sizes[:rank])
+    thumbnails: dict[int, np.ndarray] = {}
+    if keep_thumbnails and thumbs:
+        stacked = torch.cat(thumbs).permute(0, 2, 3, 1).numpy()
+        thumbnails = {offset + i: stacked[i] for i in range(len(stacked))}
+    return EmbeddedSplit(
+        all_gather_uneven(local, sizes).cpu(),
+        all_gather_uneven(local_labels.to(device), sizes).cpu(),
+        sizes,
+        thumbnails,
+    )
+
+
+def _gather_thumbnails(wanted: list[int], mine: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Rank 0 names the rows the grid shows; every rank contributes the ones it holds."""
+    if get_world_size() == 1:
+        return {i: mine[i] for i in wanted if i in mine}
+    import torch.distributed as dist
+
+    box: list[Any] = [wanted]
+    dist.broadcast_object_list(box, src=0)
+    parts: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(parts, {i: mine[i] for i in box[0] if i in mine})
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def evaluate(
+    net: nn.Module,
+    config: ExperimentConfig,
+    info: DatasetInfo,
+    device: torch.device,
+    rank: int,
+    world: int,
+    logger: RunLogger | None,
+    step: int,
+    autocast_dtype: torch.dtype | None = None,
+) -> dict[str, float]:
+    """Run the dataset's evaluations (dataset.json ``evaluations``); rank 0 returns and plots metrics."""
+    from dmltrain.plots import recall_at_k_curve, retrieval_grid
+
+    ks = config.eval.ks
+    want_grid = config.eval.grid_queries > 0
+    splits = {s for ev in info.evaluations for s in (ev.query, ev.gallery) if s is not None}
+    embedded = {
+        split: embed_split(net, config, info, split, device, rank, world, want_grid, autocast_dtype)
+        for split in sorted(splits)
+    }
+    metrics: dict[str, float] = {}
+    curves: dict[str, dict[str, float]] = {}
+    for ev in info.evaluations:
+        q = embedded[ev.query]
+        g = embedded[ev.gallery] if ev.gallery else None
+        if rank == 0:
+            result = retrieval_metrics(
+                q.embeddings,
+                q.labels,
+                None if g is None else g.embeddings,
+                None if g is None else g.labels,
+                ks,
+            )
+            curves[ev.name] = result
+            metrics.update({f"eval/{ev.name}/{k}": v for k, v in result.items()})
+    if want_grid:
+        first = info.evaluations[0]
+        _log_grid(
+            embedded[first.query],
+            embedded[first.gallery] if first.gallery else None,
+            config.eval.grid_queries,
+            rank,
+            logger,
+            step,
+            retrieval_grid,
+        )
+    if rank == 0 and logger is not None and curves:
+        figure = recall_at_k_curve({f"{name} @ step {step}": m for name, m in curves.items()})
+        logger.log_figure(figure, f"plots/recall_at_k/step_{step:07d}.png")
+    return metrics
+
+
+def _log_grid(
+    queries: EmbeddedSplit,
+    gallery: EmbeddedSplit | None,
+    num_queries: int,
+    rank: int,
+    logger: RunLogger | None,
+    step: int,
+    draw: Any,
+    k: int = 5,
+) -> None:
+    """Queries spread evenly over the split, with their top-k retrievals marked right/wrong."""
+    n = len(queries.labels)
+    picks = np.linspace(0, n - 1, num=min(num_queries, n)).round().astype(int).tolist() if n else []
+    neighbors = np.empty((0, k), dtype=np.int64)
+    if rank == 0 and picks:
+        if gallery is None:
+            neighbors, _ = nearest_neighbors(
+                queries.embeddings[picks], queries.embeddings, k, self_indices=np.asarray(picks)
+            )
+        else:
+            neighbors, _ = nearest_neighbors(queries.embeddings[picks], gallery.embeddings, k)
+    retrieved = sorted({int(i) for i in neighbors.ravel() if i >= 0})
+    if gallery is None:  # leave-one-out: queries and retrievals come from the same split
+        query_thumbs = gallery_thumbs = _gather_thumbnails(
+            sorted(set(picks) | set(retrieved)), queries.thumbnails
+        )
+    else:
+        query_thumbs = _gather_thumbnails(picks if rank == 0 else [], queries.thumbnails)
+        gallery_thumbs = _gather_thumbnails(retrieved, gallery.thumbnails)
+    if rank != 0 or logger is None or not picks:
+        return
+    source = queries if gallery is None else gallery
+    figure = draw(
+        [query_thumbs[i] for i in picks],
+        queries.labels[picks].numpy(),
+        neighbors,
+        gallery_thumbs,
+        source.labels.numpy(),
+        scale=max(1, 96 // max(next(iter(query_thumbs.values())).shape[0], 1)),
+    )
+    logger.log_figure(figure, f"plots/retrievals/step_{step:07d}.png")

@@ -1,0 +1,352 @@
+"""The per-worker training loop that Ray Train runs on every worker (``train_loop_per_worker``).
+
+Each worker streams its own shards, the engine turns the local batches into one exact global-batch step,
+rank 0 evaluates and talks to MLflow, and every rank reports to Ray at checkpoints so a failed worker
+group restarts from the last one. Nothing here depends on Ray beyond the small ``_RayContext`` shim.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dmltrain.builders import build_loss, build_optimizer, build_scheduler, build_tn_schedule
+from dmltrain.checkpoints import (
+    TrainingState,
+    load_state,
+    load_stream_state,
+    save_state,
+    save_stream_state,
+)
+from dmltrain.config import ExperimentConfig
+from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
+from dmltrain.distributed_eval import evaluate
+from dmltrain.engine import default_autocast_dtype, global_batch_step
+from dmltrain.models import EmbeddingNet, build_model, freeze_batchnorm, normalize_images
+from dmltrain.tracking import RunLogger
+
+log = logging.getLogger("dmltrain.train")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive steps produced a NaN/inf loss or gradient: the run is diverging."""
+
+
+@dataclass
+class _Window:
+    """Running sums over the steps since the last log line."""
+
+    steps: int = 0
+    loss: float = 0.0
+    images: int = 0
+    seconds: float = 0.0
+    data_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    valid: int = 0
+    queries: int = 0
+
+    def add(
+        self, loss: float, images: int, seconds: float, data: float, comm: float, valid: int, queries: int
+    ):
+        self.steps += 1
+        self.loss += loss
+        self.images += images
+        self.seconds += seconds
+        self.data_seconds += data
+        self.comm_seconds += comm
+        self.valid += valid
+        self.queries += queries
+
+    def metrics(self) -> dict[str, float]:
+        seconds = max(self.seconds, 1e-9)
+        return {
+            "train/loss": self.loss / max(self.steps, 1),
+            "train/images_per_second": self.images / seconds,
+            "train/data_wait_share": self.data_seconds / seconds,
+            "train/comm_share": self.comm_seconds / seconds,
+            "train/valid_query_share": self.valid / max(self.queries, 1),
+        }
+
+
+@dataclass
+class _Counters:
+    skipped_steps: int = 0
+    empty_batches: int = 0
+    consecutive_skips: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def _unwrap(model: nn.Module) -> EmbeddingNet:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model  # type: ignore[return-value]
+
+
+def _grad_norm(parameters: list[nn.Parameter], clip: float | None) -> float:
+    """Global gradient norm (clipping to ``clip`` if set); inf/NaN when a gradient is not finite."""
+    grads = [p for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    if clip is not None:
+        return float(torch.nn.utils.clip_grad_norm_(grads, clip, error_if_nonfinite=False))
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads])))
+
+
+class WorkerLoop:
+    """One worker's share of a run: setup, optional resume, steps, evaluations, checkpoints."""
+
+    def __init__(self, config: ExperimentConfig, run_id: str, tracking_uri: str, ray_ctx: Any) -> None:
+        self.config = config
+        self.ray = ray_ctx
+        self.rank = ray_ctx.rank
+        self.world = ray_ctx.world_size
+        self.device = ray_ctx.device
+        if config.scaling.torch_threads:
+            torch.set_num_threads(config.scaling.torch_threads)
+        torch.manual_seed(config.train.seed)  # identical initial weights on every rank
+        model = build_model(config.model.backbone, config.model.embedding_dim, config.model.weights)
+        self.model = ray_ctx.prepare_model(model)
+        self.net = _unwrap(self.model)
+        self.params = [p for p in self.net.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.net, config.optim)
+        self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
+        self.loss_fn = build_loss(config.loss).to(self.device)
+        self.tn_schedule = build_tn_schedule(config.loss, self.loss_fn)
+        self.info = load_dataset_info(config.data.root)
+        self.stream = TrainLoader(
+            config.data.root,
+            config.local_batch_size,
+            SamplerSpec.from_config(config.sampler),
+            split=config.data.train_split,
+            rank=self.rank,
+            world_size=self.world,
+            num_workers=config.data.loader_workers,
+            image_size=config.data.image_size,
+            crop_scale=config.data.crop_scale,
+            info=self.info,
+        )
+        self.autocast = (
+            default_autocast_dtype(self.device)
+            if config.train.precision == "auto"
+            else (torch.bfloat16 if config.train.precision == "bf16" else None)
+        )
+        self.counters = _Counters()
+        self.step = 0
+        self.logger = RunLogger(tracking_uri, run_id) if self.rank == 0 else None
+        self.resumed = self._restore()
+
+    # ------------------------------------------------------------------ resume / checkpoint
+    def _restore(self) -> bool:
+        checkpoint = self.ray.get_checkpoint()
+        if checkpoint is None:
+            return False
+        with checkpoint.as_directory() as directory:
+            state = load_state(directory)
+            stream_state = load_stream_state(directory, self.rank)
+        self.net.load_state_dict(state.model)
+        self.optimizer.load_state_dict(state.optimizer)
+        self.scheduler.load_state_dict(state.scheduler)
+        self.step = state.step
+        self.counters.skipped_steps = int(state.counters.get("skipped_steps", 0))
+        self.counters.empty_batches = int(state.counters.get("empty_batches", 0))
+        if self.tn_schedule is not None:
+            self.tn_schedule.load_state_dict(state.extra["tn_schedule"])
+        if stream_state is not None and state.world_size == self.world:
+            self.stream.load_state_dict(stream_state)
+        else:
+            log.warning(
+                "rank %d: no stream state for world size %d; the stream restarts", self.rank, self.world
+            )
+        log.info("rank %d resumed at step %d", self.rank, self.step)
+        return True
+
+    def _checkpoint(self, metrics: dict[str, float]) -> None:
+        """Every rank reports (a barrier in Ray Train); rank 0 adds the replicated state."""
+        with tempfile.TemporaryDirectory() as directory:
+            save_stream_state(directory, self.rank, self.stream.state_dict())
+            if self.rank == 0:
+                save_state(
+                    directory,
+                    TrainingState(
+                        step=self.step,
+                        model=self.net.state_dict(),
+                        optimizer=self.optimizer.state_dict(),
+                        scheduler=self.scheduler.state_dict(),
+                        counters={
+                            "skipped_steps": self.counters.skipped_steps,
+                            "empty_batches": self.counters.empty_batches,
+                        },
+                        world_size=self.world,
+                        extra={"tn_schedule": self.tn_schedule.state_dict() if self.tn_schedule else None},
+                    ),
+                )
+            self.ray.report({"step": self.step, **metrics}, directory)
+            if self.logger is not None and self.config.mlflow.log_checkpoints:
+                self.logger.log_file(os.path.join(directory, "state.pt"), "checkpoints/latest")
+                self.logger.set_tag("dmltrain.checkpoint_step", str(self.step))
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate(self) -> dict[str, float]:
+        return evaluate(
+            self.net,
+            self.config,
+            self.info,
+            self.device,
+            self.rank,
+            self.world,
+            self.logger,
+            self.step,
+            self.autocast,
+        )
+
+    # ------------------------------------------------------------------ training
+    def _train_step(self) -> tuple[float, int, int, float, float, float, float]:
+        cfg = self.config
+        t0 = time.perf_counter()
+        images, labels, _categories = self.stream.next_batch()
+        data_seconds = time.perf_counter() - t0
+        self.model.train()
+        if cfg.model.freeze_bn:
+            freeze_batchnorm(self.net)
+        self.optimizer.zero_grad(set_to_none=True)
+        result = global_batch_step(
+            self.model,
+            images,
+            labels,
+            self.loss_fn,
+            cfg.train.chunk_size,
+            preprocess=normalize_images,
+            freeze_bn=cfg.model.freeze_bn,
+            autocast_dtype=self.autocast,
+        )
+        loss = float(result.loss)
+        norm = _grad_norm(self.params, cfg.optim.grad_clip)
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.optimizer.step()
+            self.counters.consecutive_skips = 0
+        else:
+            # Identical decision on every rank: the loss and the synced gradients are global.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.counters.skipped_steps += 1
+            self.counters.consecutive_skips += 1
+            log.warning(
+                "step %d: non-finite loss %.4g / grad norm %.4g, update skipped", self.step + 1, loss, norm
+            )
+            if self.counters.consecutive_skips > cfg.train.max_skipped_steps:
+                raise NonFiniteLossError(
+                    f"{self.counters.consecutive_skips} consecutive non-finite steps "
+                    f"(train.max_skipped_steps={cfg.train.max_skipped_steps}): "
+                    "lower optim.lr or set optim.grad_clip"
+                )
+        if result.num_valid == 0:
+            self.counters.empty_batches += 1
+        self.scheduler.step()
+        if self.tn_schedule is not None:
+            self.tn_schedule.step()
+        self.step += 1
+        seconds = time.perf_counter() - t0
+        return loss, result.num_valid, result.num_queries, data_seconds, result.comm_seconds, seconds, norm
+
+    def run(self) -> None:
+        cfg = self.config.train
+        if self.step == 0 and cfg.eval_at_start:
+            self._log(self._evaluate())
+        window = _Window()
+        while self.step < cfg.steps:
+            loss, valid, queries, data_s, comm_s, seconds, norm = self._train_step()
+            if math.isfinite(loss):
+                window.add(loss, self.config.train.global_batch_size, seconds, data_s, comm_s, valid, queries)
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                metrics = window.metrics() if window.steps else {}
+                metrics.update(
+                    {
+                        "train/lr": self.optimizer.param_groups[0]["lr"],
+                        "train/grad_norm": norm,
+                        "train/skipped_steps": self.counters.skipped_steps,
+                        "train/empty_batches": self.counters.empty_batches,
+                    }
+                )
+                if self.tn_schedule is not None:
+                    metrics["train/rll_tn"] = float(self.loss_fn.tn)
+                self._log(metrics)
+                if self.rank == 0 and window.steps:
+                    log.info(
+                        "step %d/%d loss %.4f %.1f img/s",
+                        self.step,
+                        cfg.steps,
+                        metrics["train/loss"],
+                        metrics["train/images_per_second"],
+                    )
+                window = _Window()
+            evaluated: dict[str, float] = {}
+            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                evaluated = self._evaluate()
+                self._log(evaluated)
+            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or evaluated:
+                self._checkpoint(evaluated)
+        if self.logger is not None:
+            self._finish()
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        if self.logger is not None and metrics:
+            self.logger.log_metrics(metrics, self.step)
+
+    def _finish(self) -> None:
+        """Rank 0: training curves from the full MLflow history (it survives restarts) and the model."""
+        from dmltrain.plots import training_curves
+
+        assert self.logger is not None
+        names = {"train/loss": "loss", "train/lr": "lr", "train/images_per_second": "images/s"}
+        histories = {label: self.logger.history(key) for key, label in names.items()}
+        steps = sorted(histories["loss"])
+        if steps:
+            series = {label: [h.get(s, float("nan")) for s in steps] for label, h in histories.items()}
+            self.logger.log_figure(training_curves(steps, series), "plots/training_curves.png")
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "model.pt")
+            torch.save({"model": self.net.state_dict(), "config": self.config.model_dump(mode="json")}, path)
+            self.logger.log_file(path, "model")
+
+
+@dataclass
+class _RayContext:
+    """The few Ray Train calls the loop needs, so the loop itself stays testable and readable."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        import ray.train.torch
+
+        return ray.train.torch.prepare_model(model)
+
+    def get_checkpoint(self) -> Any:
+        import ray.train
+
+        return ray.train.get_checkpoint()
+
+    def report(self, metrics: dict[str, float], directory: str | None) -> None:
+        import ray.train
+
+        checkpoint = ray.train.Checkpoint.from_directory(directory) if directory else None
+        ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Entry point Ray Train runs on every worker (see dmltrain.run.launch)."""
+    import ray.train
+    import ray.train.torch
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    context = ray.train.get_context()
+    ray_ctx = _RayContext(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device())
+    config = ExperimentConfig.model_validate(loop_config["config"])
+    loop = WorkerLoop(config, loop_config["mlflow_run_id"], loop_config["tracking_uri"], ray_ctx)
+    loop.run()

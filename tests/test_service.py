@@ -1,0 +1,150 @@
+"""The training service end to end: real local Ray cluster, real MLflow sqlite store, real glyph shards.
+
+One config drives every test here, the quickstart shrunk to a few steps: a run logs metrics, plots and
+checkpoints; relaunching it resumes into the same MLflow run; a killed worker is replaced and the run
+finishes without logging any step twice.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from dmltrain.config import ExperimentConfig, load_config
+from dmltrain.run import launch
+
+REPO = Path(__file__).parents[1]
+
+
+def _config(tmp_path: Path, glyphs: Path, name: str, *overrides: str) -> ExperimentConfig:
+    return load_config(
+        REPO / "configs" / "quickstart.yaml",
+        [
+            f"data.root={glyphs}",
+            "data.prepare=null",
+            f"run.name={name}",
+            f"run.storage_path={tmp_path / 'ray_results'}",
+            f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            "train.global_batch_size=32",
+            "train.chunk_size=8",
+            "train.log_every=2",
+            "eval.max_images=1200",
+            "eval.batch_size=200",
+            "eval.grid_queries=4",
+            *overrides,
+        ],
+    )
+
+
+def _history(client: MlflowClient, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def _artifacts(client: MlflowClient, run_id: str, path: str | None = None) -> set[str]:
+    found: set[str] = set()
+    for item in client.list_artifacts(run_id, path):
+        found |= _artifacts(client, run_id, item.path) if item.is_dir else {item.path}
+    return found
+
+
+def test_config_typo_fails_before_ray_starts(tmp_path: Path) -> None:
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dmltrain.run", "configs/quickstart.yaml", "optim.lr_rate=0.1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"},  # would fail loudly if Ray were contacted
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "optim.lr_rate: unknown key" in proc.stderr and "configs/quickstart.yaml" in proc.stderr
+    assert "ray" not in proc.stderr.lower().replace("ray_results", "")
+    assert time.monotonic() - started < 60
+
+
+def test_run_logs_then_resumes_into_the_same_mlflow_run(
+    ray_cluster, glyphs_root: Path, tmp_path: Path
+) -> None:
+    config = _config(
+        tmp_path, glyphs_root, "e2e", "train.steps=6", "train.checkpoint_every=3", "train.eval_every=6"
+    )
+    outcome = launch(config)
+    client = MlflowClient(outcome.tracking_uri)
+    run = client.get_run(outcome.mlflow_run_id)
+    assert run.info.status == "FINISHED" and not outcome.resumed
+    assert run.data.params["loss.name"] == "smoothap" and run.data.params["train.steps"] == "6"
+    assert _history(client, outcome.mlflow_run_id, "train/loss") == [2, 4, 6]
+    assert _history(client, outcome.mlflow_run_id, "eval/test/recall_at_1") == [0, 6]
+    for key in ("train/images_per_second", "train/data_wait_share", "train/lr", "eval/test/map_at_r"):
+        assert key in run.data.metrics, key
+    assert 0.0 <= run.data.metrics["eval/test/recall_at_1"] <= 1.0
+    files = _artifacts(client, outcome.mlflow_run_id)
+    assert {
+        "config.yaml",
+        "model/model.pt",
+        "checkpoints/latest/state.pt",
+        "plots/training_curves.png",
+    } <= files
+    assert {"plots/recall_at_k/step_0000006.png", "plots/retrievals/step_0000006.png"} <= files
+    assert run.data.tags["dmltrain.checkpoint_step"] == "6"
+
+    # Relaunch with more steps: Ray restores the last checkpoint, MLflow continues the same run.
+    more = config.model_copy(update={"train": config.train.model_copy(update={"steps": 9})})
+    again = launch(more)
+    assert again.resumed and again.mlflow_run_id == outcome.mlflow_run_id
+    assert _history(client, outcome.mlflow_run_id, "train/loss") == [2, 4, 6, 8, 9]
+    assert _history(client, outcome.mlflow_run_id, "eval/test/recall_at_1") == [0, 6, 9]
+    assert client.get_run(outcome.mlflow_run_id).data.tags["dmltrain.checkpoint_step"] == "9"
+
+
+def _train_worker_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmdline.startswith(b"ray::RayTrainWorker"):
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_killed_worker_is_replaced_and_no_step_is_logged_twice(
+    ray_cluster, glyphs_root: Path, tmp_path: Path
+) -> None:
+    config = _config(
+        tmp_path,
+        glyphs_root,
+        "fault",
+        "train.steps=24",
+        "train.checkpoint_every=4",
+        "train.eval_every=24",
+        "train.eval_at_start=false",
+        "train.log_every=1",
+    )
+    storage = Path(config.run.storage_path) / "fault"
+    result: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("outcome", launch(config)), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 300
+    while not list(storage.glob("checkpoint_*")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    victims = _train_worker_pids()
+    assert victims, "no Ray Train worker process found to kill"
+    os.kill(victims[-1], signal.SIGKILL)
+    thread.join(timeout=600)
+    assert "outcome" in result, "the run did not finish after a worker was killed"
+    outcome = result["outcome"]
+    client = MlflowClient(outcome.tracking_uri)
+    steps = _history(client, outcome.mlflow_run_id, "train/loss")
+    assert steps == list(range(1, 25)), steps  # every step exactly once despite the restart
+    assert client.get_run(outcome.mlflow_run_id).info.status == "FINISHED"
