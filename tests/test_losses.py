@@ -224,6 +224,25 @@ def test_small_class_with_the_largest_label_next_to_a_big_class(kind):
     torch.testing.assert_close(grad, ref_x.grad, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize("num_bins", [10, 4])
+def test_fastap_matches_reference_for_non_normalised_embeddings(num_bins):
+    """Norms off 1 put distances below 0 and above 4, i.e. on the outer halves of the end triangles."""
+    g = torch.Generator().manual_seed(20)
+    x, y = unequal_batch(seed=20)
+    x = x * (0.85 + 0.35 * torch.rand(x.shape[0], 1, generator=g, dtype=torch.float64))
+    # a longer copy of row 0 (same class) and two near-antipodes of rows 1 and 2 (a new class)
+    x = torch.cat([x, 1.12 * x[:1] / x[0].norm(), -1.1 * x[1:3] / x[1:3].norm(dim=1, keepdim=True)])
+    y = torch.cat([y, y[:1], torch.tensor([555, 555])])
+    dist = (2 - 2 * x @ x.T).fill_diagonal_(2.0)
+    assert dist.min() < -0.2 and dist.max() > 4.1  # both outer tails are exercised
+    ref_x = x.clone().requires_grad_(True)
+    ref_mean("fastap", {"num_bins": num_bins}, ref_x, y).backward()
+    value, grad = loss_and_grad(FastAPLoss(num_bins=num_bins), x, y)
+    expected = ref_mean("fastap", {"num_bins": num_bins}, x, y)
+    assert value.item() == pytest.approx(expected.item(), rel=1e-10)
+    torch.testing.assert_close(grad, ref_x.grad, rtol=1e-8, atol=1e-10)
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_float64_matches_reference_tightly_with_explicit_gallery(case):
     """Queries scored against a gallery that holds their own rows (excluded via query_index) or not."""

@@ -34,18 +34,27 @@ class _FastAPKernel:
         # Distance in units of the bin width: t = (2 - 2s) / (4 / L); bin centres sit at t = 0, 1, ..., L.
         # The query's own row is moved to t = L + 2, outside every bin.
         t = sim.mul(-L / 2).add_(L / 2)
-        block.zero_self(t)
-        rows_with_self = torch.nonzero(block.self_col >= 0).squeeze(1)
+        t_max = float(t.amax().item()) if t.numel() else 0.0
+        has_self = block.self_col >= 0
+        rows_with_self = torch.nonzero(has_self).squeeze(1)
         t[rows_with_self, block.self_col[rows_with_self]] = L + 2.0
+        t_min = float(t.amin().item()) if t.numel() else 0.0
         # The mass an item puts into bins <= l (sum of the triangles relu(1 - |t - k|), k <= l) is
-        # clamp(l + 1 - t, 0, 1) - clamp(-t, 0, 1): the second part only matters for t < 0 (outside [0, 4]).
-        # Sums of non-negative terms only, so no cancellation in float32 however large the gallery.
-        neg_t = t.neg()
-        below_zero = neg_t.clamp(0, 1).sum(1, keepdim=True)
+        # clamp(l + 1 - t, 0, 1) - clamp(-t, 0, 1); the second part only exists for t < 0 (outside [0, 4]).
+        # Sums of non-negative terms only, so no cancellation in float32 however large the gallery. Bins
+        # below every item hold nothing and bins above every item hold everything: no pass needed there.
+        below_zero = t.neg().clamp_(0, 1).sum(1, keepdim=True) if t_min < 0 else None
         cum_all = torch.empty(n_rows, L + 1, dtype=sim.dtype, device=sim.device)
+        n_items = (sim.shape[1] - has_self.long()).to(sim.dtype)
         for level in range(L + 1):
-            cum_all[:, level] = torch.add(neg_t, level + 1).clamp_(0, 1).sum(1)
-        cum_all -= below_zero
+            if level + 1 <= t_min:
+                cum_all[:, level] = 0.0
+            elif level >= t_max:
+                cum_all[:, level] = n_items
+            else:
+                cum_all[:, level] = torch.rsub(t, level + 1).clamp_(0, 1).sum(1)
+        if below_zero is not None:
+            cum_all -= below_zero
         # Positives are few: their cumulative histogram comes from a padded gather of their t.
         pos_cols, pos_real = block.positives.padded(torch.arange(n_rows, device=t.device) + block.rows.start)
         t_pos = torch.where(pos_real, torch.gather(t, 1, pos_cols), L + 2.0)  # padding: outside every bin
@@ -61,38 +70,38 @@ class _FastAPKernel:
         fast_ap = (frac * cum_pos).sum(1) * inv_npos  # Eq. 14
         terms = torch.where(valid, 1.0 - fast_ap, 0.0)
         if block.jacobian is not None:
-            self._jacobian(block, t, pos_cols, pos_real, frac, prec, inv_npos, below_zero)
+            self._jacobian(block, t, pos_cols, pos_real, frac, prec, inv_npos, t_min < 0)
         return BlockResult(terms=terms, count=valid.sum(), valid=valid)
 
-    def _jacobian(self, block, t, pos_cols, pos_real, frac, prec, inv_npos, below_zero) -> None:
+    def _jacobian(self, block, t, pos_cols, pos_real, frac, prec, inv_npos, has_tail: bool) -> None:
         """d(1 - FastAP_q)/ds_qj from dFastAP/dH_l and dFastAP/dH+_l (supplement C.3, on cumulative bins)."""
         L = self.num_bins
-        assert block.jacobian is not None
+        jac = block.jacobian
+        assert jac is not None
         # With H and H+ as independent variables (h+_l = H+_l - H+_{l-1}):
         d_all = -(frac * prec) * inv_npos[:, None]
         prec_next = torch.cat((prec[:, 1:], torch.zeros_like(prec[:, :1])), dim=1)
         d_pos = (frac + prec - prec_next) * inv_npos[:, None]
-        # An item with t in (l, l+1) only changes H_l, by -dt. Zero derivative exactly at bin centres, as
-        # autograd gives through relu(1 - |t - c|). The last column of the table is that zero.
-        low = t.floor().clamp_(0, L)
-        offset = t - low
-        interior = (offset > 0) & (offset < 1)
-        table = torch.cat((d_all, torch.zeros_like(d_all[:, :1])), dim=1)
-        idx = torch.where(interior, low.long(), L + 1)
-        grad_t = torch.gather(table, 1, idx).neg_()
+        # term = 1 - FastAP and dt/ds = -L/2, so dterm/ds = (L/2) dFastAP/dt. An item with t in (l, l+1)
+        # only changes H_l, by -dt: dterm/ds = -(L/2) dFastAP/dH_l. Table column l+1 holds that; columns 0 and
+        # L+2 are zeros for items below / above every bin. ceil(t - floor(t)) is 0 exactly at bin centres,
+        # where the derivative is taken as 0 like autograd through relu(1 - |t - c|).
+        zero = torch.zeros_like(d_all[:, :1])
+        table = torch.cat((zero, d_all * (-L / 2), zero), dim=1)
+        low = t.floor()
+        interior = torch.sub(t, low).ceil_()
+        idx = low.clamp_(-1, L + 1).add_(1).long()
+        torch.mul(torch.gather(table, 1, idx), interior, out=jac)
         # positives also move H+
-        pos_low = torch.gather(low, 1, pos_cols).long()
-        pos_interior = torch.gather(interior, 1, pos_cols) & pos_real
-        pos_grad = torch.where(pos_interior, -torch.gather(d_pos, 1, pos_low), 0.0)
-        # t in (-1, 0) (only for non-normalised inputs) adds mass to every cumulative bin
-        if bool((below_zero > 0).any().item()):
-            tail = (t < 0) & (t > -1)
-            grad_t += tail * d_all.sum(1, keepdim=True)
-            pos_tail = torch.gather(tail, 1, pos_cols) & pos_real
-            pos_grad += pos_tail * d_pos.sum(1, keepdim=True)
-        add_at_columns(grad_t, pos_cols, pos_grad, where=pos_real)
-        # term = 1 - FastAP and dt/ds = -L/2, so dterm/ds = (L/2) dFastAP/dt.
-        torch.mul(grad_t, L / 2, out=block.jacobian)
+        pos_idx = torch.gather(idx, 1, pos_cols) - 1
+        pos_interior = torch.gather(interior, 1, pos_cols)
+        in_bins = ((pos_idx >= 0) & (pos_idx <= L)).to(t.dtype)
+        pos_grad = torch.gather(d_pos, 1, pos_idx.clamp(0, L)) * (pos_interior * in_bins * (-L / 2))
+        if has_tail:  # t in (-1, 0), only for non-normalised inputs: adds mass to every cumulative bin
+            tail = ((t < 0) & (t > -1)).to(t.dtype)
+            jac += tail * (d_all.sum(1, keepdim=True) * (L / 2))
+            pos_grad += torch.gather(tail, 1, pos_cols) * (d_pos.sum(1, keepdim=True) * (L / 2))
+        add_at_columns(jac, pos_cols, pos_grad, where=pos_real)
 
 
 class FastAPLoss(RankingLoss):
