@@ -4,15 +4,18 @@ A listwise loss (FastAP, Smooth-AP, RLL) scores every query against the whole ba
 split into independent pieces the way a classification loss can. The FastAP paper's large-batch
 heuristic (Sec. 4.1) still gets the exact gradient, because the loss only sees the embedding matrix:
 
-1. embed the local batch chunk by chunk without autograd, recording the RNG state of every chunk;
+1. embed the local batch chunk by chunk without autograd, recording the RNG state of every chunk (the
+   last chunk keeps its graph, so it need not be re-run);
 2. all-gather embeddings and labels from every rank (local batches may differ in size);
 3. score the LOCAL queries against the GLOBAL gallery, normalise by the loss's GLOBAL count and take the
    gradient with respect to the whole gathered matrix; sum that matrix gradient over ranks (every rank
    contributes to every row) and keep the local rows: this is exactly dL/dE_local of the global batch;
-4. re-run every chunk with autograd, replaying its RNG state, and back-propagate its slice of dL/dE;
+4. re-run the other chunks with autograd, replaying their RNG state, and back-propagate each chunk's
+   slice of dL/dE;
 5. make every rank hold the SUM of the per-rank parameter gradients, reduced exactly once per step.
 
-Memory therefore grows with the chunk, not with the batch, apart from the B x D embedding matrices.
+Memory therefore grows with the chunk, not with the batch, apart from the B x D embedding matrices. When
+every rank's batch fits in one chunk, the batch is embedded once with autograd and nothing is re-run.
 """
 
 from __future__ import annotations
@@ -184,7 +187,7 @@ def global_batch_step(
                 out = (ddp or net)(load(0, local_n))
             embeddings = _as_embeddings(out, local_n).detach().to(_storage_dtype(out))
         else:
-            rng_states, embeddings = _embed_without_grad(net, load, bounds, device, autocast_dtype)
+            rng_states, embeddings, kept = _embed_first_pass(net, load, bounds, device, autocast_dtype)
 
         grad, stats, problem = _embedding_gradient(
             loss_fn, embeddings, labels, sizes, offset, clock, grad_scale=grad_scale
@@ -200,7 +203,9 @@ def global_batch_step(
                 out.backward(grad.to(out.dtype))
             else:
                 with _running_stats_updated_once(net, sync=ddp is not None and _ddp_syncs_buffers(ddp)):
-                    _backward_chunks(ddp or net, ddp, load, bounds, rng_states, grad, device, autocast_dtype)
+                    _backward_chunks(
+                        ddp or net, ddp, load, bounds, rng_states, kept, grad, device, autocast_dtype
+                    )
             if reduce_manually:
                 with clock:
                     sum_gradients_(params)
@@ -227,29 +232,37 @@ def global_batch_step(
 # pass 1, loss gradient, pass 2
 
 
-def _embed_without_grad(
+def _embed_first_pass(
     net: nn.Module,
     load: _ChunkLoader,
     bounds: list[tuple[int, int]],
     device: torch.device,
     autocast_dtype: torch.dtype | None,
-) -> tuple[list[_RngState], Tensor]:
-    """Embed chunk by chunk under no_grad, remembering each chunk's RNG state for the replay."""
+) -> tuple[list[_RngState], Tensor, Tensor | None]:
+    """Embed chunk by chunk, remembering each chunk's RNG state for the replay.
+
+    All chunks but the last run under no_grad. The last one (when there are at least two) keeps its graph:
+    it is back-propagated first in pass 2 instead of being re-run, which saves one chunk's forward for
+    the memory of one chunk, the same peak pass 2 has anyway. It runs on the bare module, so under DDP it
+    is one of the unsynchronised chunks.
+    """
     states: list[_RngState] = []
     embeddings: Tensor | None = None
+    kept: Tensor | None = None
     total = bounds[-1][1]
-    with torch.no_grad():
-        for s, e in bounds:
-            states.append(_RngState.capture(device))
-            with _autocast(device, autocast_dtype):
-                out = net(load(s, e))
-            out = _as_embeddings(out, e - s)
-            if embeddings is None:
-                embeddings = torch.empty((total, out.shape[1]), dtype=_storage_dtype(out), device=device)
-            embeddings[s:e] = out
+    for i, (s, e) in enumerate(bounds):
+        keep = i == len(bounds) - 1 and i > 0
+        states.append(_RngState.capture(device))
+        with torch.set_grad_enabled(keep), _autocast(device, autocast_dtype):
+            out = _as_embeddings(net(load(s, e)), e - s)
+        if embeddings is None:
+            embeddings = torch.empty((total, out.shape[1]), dtype=_storage_dtype(out), device=device)
+        embeddings[s:e] = out.detach()
+        if keep:
+            kept = out
     states.append(_RngState.capture(device))  # where the stream stands after one forward of the batch
     assert embeddings is not None
-    return states, embeddings
+    return states, embeddings, kept
 
 
 def _embedding_gradient(
@@ -329,22 +342,28 @@ def _backward_chunks(
     load: _ChunkLoader,
     bounds: list[tuple[int, int]],
     rng_states: list[_RngState],
+    kept: Tensor | None,
     grad: Tensor,
     device: torch.device,
     autocast_dtype: torch.dtype | None,
 ) -> None:
-    """Re-run every chunk with autograd under its recorded RNG state and back-propagate its grad slice.
+    """Back-propagate every chunk's slice of dL/dE: the kept last chunk directly, the others re-run with
+    autograd under their recorded RNG state.
 
-    Under DDP only the last chunk's backward synchronises; ranks may run different numbers of chunks.
+    Under DDP only the final backward synchronises; ranks may run different numbers of chunks.
     """
+    if kept is not None:
+        s, e = bounds[-1]
+        with ddp.no_sync() if ddp is not None else nullcontext():
+            kept.backward(grad[s:e].to(kept.dtype))
+        bounds = bounds[:-1]
     try:
         for i, (s, e) in enumerate(bounds):
             last = i == len(bounds) - 1
             rng_states[i].restore(device)
             with ddp.no_sync() if ddp is not None and not last else nullcontext():
                 with torch.enable_grad(), _autocast(device, autocast_dtype):
-                    out = model(load(s, e))
-                out = _as_embeddings(out, e - s)
+                    out = _as_embeddings(model(load(s, e)), e - s)
                 out.backward(grad[s:e].to(out.dtype))
     finally:
         rng_states[-1].restore(device)
