@@ -90,8 +90,49 @@ def _run_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _register_train(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Same as `python -m dmltrain.run`: train on Ray, track in MLflow, resume on relaunch."
+    )
+    parser.add_argument("config", help="experiment YAML, e.g. configs/quickstart.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.steps=100")
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from dmltrain.run import main as run_main
+
+    return run_main([args.config, *args.overrides])
+
+
+def _register_evaluate(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Evaluate a trained model (the MLflow artifact model/model.pt) on a prepared data set with the data "
+        "set's protocol, in this process (no Ray). Prints the metrics as JSON."
+    )
+    parser.add_argument("model", help="model.pt written by a dmltrain run")
+    parser.add_argument("data_root", help="directory or URL with dataset.json and shards")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--max-images", type=int, default=None, help="cap per split for a quick look")
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    import json
+
+    from dmltrain.evaluate_model import evaluate_saved_model
+
+    try:
+        metrics = evaluate_saved_model(args.model, args.data_root, args.batch_size, args.max_images)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"dmltrain evaluate: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(metrics, indent=2, sort_keys=True))
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Register, Run]] = {
     "prepare": ("convert a data set into shards + dataset.json", _register_prepare, _run_prepare),
+    "train": ("train on Ray with a config (python -m dmltrain.run)", _register_train, _run_train),
+    "evaluate": ("evaluate a trained model on a prepared data set", _register_evaluate, _run_evaluate),
 }
 
 

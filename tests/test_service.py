@@ -8,9 +8,11 @@ finishes without logging any step twice.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -148,3 +150,100 @@ def test_killed_worker_is_replaced_and_no_step_is_logged_twice(
     steps = _history(client, outcome.mlflow_run_id, "train/loss")
     assert steps == list(range(1, 25)), steps  # every step exactly once despite the restart
     assert client.get_run(outcome.mlflow_run_id).info.status == "FINISHED"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ray_job_submit_runs_the_module(glyphs_root: Path, tmp_path: Path) -> None:
+    """`ray start --head` + `ray job submit -- python -m dmltrain.run ...`, as a user does on a cluster."""
+    bin_dir = Path(sys.executable).parent
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",  # the head's workers use this venv
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "1",
+    }
+    env.pop("RAY_ADDRESS", None)
+    # A short path: Ray puts Unix sockets under it (108-byte limit); it also names this head's processes.
+    temp_dir = tempfile.mkdtemp(prefix="dmlray", dir="/tmp")
+    dashboard = _free_port()
+    head = subprocess.Popen(
+        [
+            str(bin_dir / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={_free_port()}",
+            f"--dashboard-port={dashboard}",
+            "--dashboard-host=127.0.0.1",
+            "--num-cpus=2",
+            f"--ray-client-server-port={_free_port()}",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        config = _config(tmp_path, glyphs_root, "submitted", "train.steps=2", "train.eval_every=2")
+        overrides = [
+            f"data.root={config.data.root}",
+            "data.prepare=null",
+            "run.name=submitted",
+            f"run.storage_path={config.run.storage_path}",
+            f"mlflow.tracking_uri={config.mlflow.tracking_uri}",
+            "train.steps=2",
+            "train.global_batch_size=32",
+            "train.chunk_size=16",
+            "train.eval_every=2",
+            "eval.max_images=400",
+            "eval.grid_queries=0",
+        ]
+        submit = [
+            str(bin_dir / "ray"),
+            "job",
+            "submit",
+            "--address",
+            f"http://127.0.0.1:{dashboard}",
+            "--working-dir",
+            str(REPO),
+            "--",
+            "python",
+            "-m",
+            "dmltrain.run",
+            "configs/quickstart.yaml",
+            *overrides,
+        ]
+        proc = None
+        for _ in range(30):  # the dashboard needs a few seconds after `ray start`
+            proc = subprocess.run(
+                submit, env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=600
+            )
+            if (
+                "Failed to connect" not in proc.stdout + proc.stderr
+                and "Connection refused" not in proc.stderr
+            ):
+                break
+            time.sleep(2)
+        assert proc is not None and proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "run finished: MLflow run" in proc.stdout + proc.stderr
+        client = MlflowClient(config.mlflow.tracking_uri)
+        runs = client.search_runs(
+            [client.get_experiment_by_name(config.mlflow.experiment).experiment_id],
+            filter_string="tags.`dmltrain.run_key` LIKE '%submitted'",
+        )
+        assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)
