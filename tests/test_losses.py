@@ -152,6 +152,8 @@ CASES = [
     ("smoothap", {"tau": 0.1}),
     ("rll", {"margin": 0.4, "alpha": None, "tn": 10.0, "tp": 0.0, "lam": 0.5}),
     ("rll", {"margin": 0.3, "alpha": 1.3, "tn": 4.0, "tp": -2.0, "lam": 0.3}),
+    ("rll", {"margin": 0.5, "alpha": 1.2, "tn": 80.0, "tp": 30.0, "lam": 0.6}),  # near-hardest mining
+    ("rll", {"margin": 0.2, "alpha": None, "tn": -30.0, "tp": 5.0, "lam": 0.5}),  # easy negatives first
     ("triplet", {"margin": 0.2}),
     ("triplet", {"margin": 1.0}),
 ]
@@ -468,6 +470,25 @@ def test_batch_without_any_valid_query_is_zero_with_zero_gradient(loss_fn):
     assert value.item() == 0.0 and torch.isfinite(value)
     assert xr.grad is not None and torch.count_nonzero(xr.grad) == 0
     assert parts.mean().item() == 0.0
+
+
+@pytest.mark.parametrize("kind", ["fastap", "smoothap", "rll", "triplet"])
+def test_duplicate_embeddings_with_different_labels_stay_finite_and_match_reference(kind):
+    """Coincident points (distance exactly 0): a measure-zero kink, but common with duplicate images."""
+    params = dict(next(p for k, p in CASES if k == kind))
+    x, y = unequal_batch(seed=21)
+    x = torch.cat([x, x[:2], x[4:5]])
+    y = torch.cat(
+        [y, torch.tensor([1234, 1234]), y[4:5]]
+    )  # two copies under a new label, one same-label copy
+    value, grad = loss_and_grad(make_loss(kind, params), x.float(), y)
+    assert torch.isfinite(value) and torch.isfinite(grad).all()
+    if kind in ("rll", "triplet"):  # no kink at distance 0 for these (RLL: zero gradient by convention)
+        ref_x = x.clone().requires_grad_(True)
+        expected = ref_mean(kind, params, ref_x, y)
+        expected.backward()
+        assert value.item() == pytest.approx(expected.item(), rel=1e-5)
+        torch.testing.assert_close(grad.double(), ref_x.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_empty_batch_is_zero():

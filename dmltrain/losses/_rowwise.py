@@ -105,8 +105,11 @@ class QueryBlock:
         if rows.numel():
             tensor[rows, self.self_col[rows]] = 0
 
-    def positive_chunks(self) -> Iterator[tuple[int, Tensor, Tensor, Tensor]]:
+    def positive_chunks(self) -> Iterator[tuple[int, slice | Tensor, Tensor, Tensor]]:
         """Yield ``(n, rows, cols, all_cols)`` for block rows whose queries have ``n >= 1`` positives.
+
+        ``rows`` indexes the block's rows: a slice when they are consecutive (then ``tensor[rows]`` is a view
+        that can be updated in place), else an index tensor.
 
         ``all_cols`` (``len(rows) x n``) are all their positives' columns and ``cols`` the ones to process
         now: all of them, or ``nc < n`` of them when a single query's ``n x N`` slab exceeds the chunk budget
@@ -125,14 +128,20 @@ class QueryBlock:
                 for i in range(0, rows.numel(), step):
                     sub = rows[i : i + step]
                     cols = self.positives.indices(sub + self.rows.start, n)
-                    yield n, sub, cols, cols
+                    yield n, _as_slice(sub), cols, cols
             else:
                 pos_step = max(1, self.chunk_elements // max(n_ref, 1))
                 for i in range(rows.numel()):
                     sub = rows[i : i + 1]
                     cols = self.positives.indices(sub + self.rows.start, n)
                     for j in range(0, n, pos_step):
-                        yield n, sub, cols[:, j : j + pos_step], cols
+                        yield n, _as_slice(sub), cols[:, j : j + pos_step], cols
+
+
+def _as_slice(rows: Tensor) -> slice | Tensor:
+    """A sorted index tensor as a slice when it is a consecutive run (views instead of copies)."""
+    first, last = int(rows[0].item()), int(rows[-1].item())
+    return slice(first, last + 1) if last - first + 1 == rows.numel() else rows
 
 
 def add_at_columns(rows_tensor: Tensor, cols: Tensor, values: Tensor, where: Tensor | None = None) -> None:

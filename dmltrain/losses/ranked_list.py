@@ -15,49 +15,77 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmltrain.losses._rowwise import BlockResult, QueryBlock
+from dmltrain.losses._rowwise import BlockResult, QueryBlock, add_at_columns
 from dmltrain.losses.base import DEFAULT_MEMORY_BUDGET_MB, RankingLoss
 
 # Distances below this are treated as coincident points: direction undefined, no gradient through the sqrt.
 _MIN_DISTANCE = 1e-12
+# exp() arguments are kept >= -80: e^-80 is ~1e-35 of the largest weight (nothing in float32 sums) and exp
+# of very negative float32 numbers takes a slow underflow path on CPU (over 100x slower).
+_MIN_EXPONENT = -80.0
 
 
-def _normalised_weights(active: Tensor, logits: Tensor) -> Tensor:
-    """exp(logits) over the active entries of each row, normalised to sum 1 (all-zero rows stay 0)."""
-    masked = torch.where(active, logits, float("-inf"))
-    top = masked.amax(dim=1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, 0.0)
-    w = torch.exp(masked - top)  # max-shifted: identical ratios, no overflow for large temperatures
-    total = w.sum(dim=1, keepdim=True)
-    return w / torch.where(total > 0, total, 1.0)
+def _set_weights(active: Tensor, logits: Tensor, bound: float | None) -> tuple[Tensor, Tensor]:
+    """Eq. 9/10 weights exp(logits) on the active entries of each row (0 elsewhere) and their row sums.
+
+    Rows are shifted by their largest active logit, which leaves the normalised weights (Eq. 11/12)
+    unchanged and cannot overflow. When every logit is known to lie in [bound - 60, bound] the shift is
+    simply ``bound`` (no masked max needed); ``logits`` is overwritten.
+    """
+    if logits.shape[1] == 0:
+        return logits, logits.new_zeros(logits.shape[0], 1)
+    if bound is None:
+        top = torch.where(active, logits, float("-inf")).amax(dim=1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, 0.0)
+        logits = logits.sub_(top)
+    elif bound != 0.0:
+        logits = logits.sub_(bound)
+    # Active entries are <= 0 after the shift; clamping the others at 0 keeps exp finite so the mask zeroes
+    # them (inf * 0 would be NaN).
+    w = logits.clamp_(min=_MIN_EXPONENT, max=0.0).exp_().mul_(active)
+    return w, w.sum(dim=1, keepdim=True)
 
 
 class _RankedListKernel:
     metric = "sqeuclidean"
-    needs_positive_sets = False
+    needs_positive_sets = True
 
     def __init__(self, margin: float, alpha: float, tn: float, tp: float, lam: float) -> None:
         self.margin, self.alpha, self.tn, self.tp, self.lam = margin, alpha, tn, tp, lam
 
     def __call__(self, block: QueryBlock) -> BlockResult:
-        alpha, pos_boundary = self.alpha, self.alpha - self.margin
+        alpha, boundary, lam = self.alpha, self.alpha - self.margin, self.lam
+        assert block.positives is not None
         dist = block.values.sqrt()
-        same = block.same_label()
-        pos = same.clone()
-        block.zero_self(pos)
-        pos_star = pos & (dist > pos_boundary)  # Eq. P*_{c,i}
-        neg_star = ~same & (dist < alpha)  # Eq. N*_{c,i}
-        w_pos = _normalised_weights(pos_star, self.tp * (dist - pos_boundary))  # Eq. 10, normalised as in 11
-        w_neg = _normalised_weights(neg_star, self.tn * (alpha - dist))  # Eq. 9, normalised as in 12
-        loss_pos = (w_pos * (dist - pos_boundary)).sum(1)  # Eq. 11
-        loss_neg = (w_neg * (alpha - dist)).sum(1)  # Eq. 12
-        terms = (1.0 - self.lam) * loss_pos + self.lam * loss_neg  # Eq. 13
-        valid = (pos_star | neg_star).any(1)
-        if block.jacobian is not None:
-            grad_dist = (1.0 - self.lam) * w_pos - self.lam * w_neg
-            # d dist / d dist^2 = 1 / (2 dist); the kernel's values are squared distances.
-            far = dist > _MIN_DISTANCE
-            block.jacobian.copy_(torch.where(far, grad_dist * 0.5 / torch.where(far, dist, 1.0), 0.0))
+        # Negatives (dense): N* = {different label, d < alpha}, weights exp(Tn (alpha - d)) (Eq. 9).
+        neg_star = (~block.same_label()).logical_and_(dist < alpha)
+        violation = torch.rsub(dist, alpha)
+        # Tn (alpha - d) lies in [min(Tn alpha, 0), max(Tn alpha, 0)] on N*, so its upper end is a safe shift
+        # whenever that interval is narrow enough for exp; otherwise take the exact masked row maximum.
+        bound = max(self.tn * alpha, 0.0) if abs(self.tn * alpha) <= 60.0 else None
+        w_neg, z_neg = _set_weights(neg_star, violation * self.tn, bound)
+        inv_z_neg = torch.where(z_neg > 0, 1.0 / torch.where(z_neg > 0, z_neg, 1.0), 0.0)
+        loss_neg = (w_neg * violation).sum(1, keepdim=True).mul_(inv_z_neg).squeeze(1)  # Eq. 12
+        # Positives (sparse): P* = {same label, not the query, d > alpha - margin}, weights of Eq. 10.
+        rows = torch.arange(dist.shape[0], device=dist.device)
+        pos_cols, pos_real = block.positives.padded(rows + block.rows.start)
+        pos_dist = torch.gather(dist, 1, pos_cols)
+        pos_star = pos_real & (pos_dist > boundary)
+        stretch = pos_dist - boundary
+        w_pos, z_pos = _set_weights(pos_star, stretch * self.tp, None)
+        inv_z_pos = torch.where(z_pos > 0, 1.0 / torch.where(z_pos > 0, z_pos, 1.0), 0.0)
+        loss_pos = (w_pos * stretch).sum(1) * inv_z_pos.squeeze(1)  # Eq. 11
+        terms = (1.0 - lam) * loss_pos + lam * loss_neg  # Eq. 13
+        valid = pos_star.any(1) | neg_star.any(1)
+        jac = block.jacobian
+        if jac is not None:
+            # Weights are constants: dL/dd_j = (1 - lam) w~_j on P*, -lam w~_j on N*; dd/d(d^2) = 1 / (2d).
+            torch.div(w_neg.mul_(inv_z_neg * (-0.5 * lam)), dist.clamp(min=_MIN_DISTANCE), out=jac)
+            coincident = neg_star.logical_and_(dist <= _MIN_DISTANCE)  # neg_star is not needed any more
+            if bool(coincident.any().item()):
+                jac.masked_fill_(coincident, 0.0)
+            pos_grad = w_pos * inv_z_pos * (0.5 * (1.0 - lam)) / pos_dist.clamp(min=_MIN_DISTANCE)
+            add_at_columns(jac, pos_cols, pos_grad, where=pos_star & (pos_dist > _MIN_DISTANCE))
         count = torch.tensor(float(terms.shape[0]), dtype=torch.float64, device=terms.device)
         return BlockResult(terms=terms, count=count, valid=valid)
 

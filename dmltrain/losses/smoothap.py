@@ -54,13 +54,15 @@ class _SmoothAPKernel:
             # term = 1 - (1/n) sum_i rank_pos_i / rank_all_i, so d term / dG_ij = c_i ([j in P] - ratio_i)
             # with c_i = -1 / (n rank_all_i); and dG_ij / ds_qj = -dG_ij / ds_qi = G (1 - G) / tau.
             coef = -1.0 / (n * tau * rank_all)  # (k, c)
-            slope = g.sub_(g * g)  # G (1 - G) in g's storage; masked entries stay 0
-            slope_pos = g_pos - g_pos * g_pos
-            rows_jac = jac[rows] - torch.bmm((coef * ratio)[:, None, :], slope).squeeze(1)
+            slope = g.addcmul_(g, g, value=-1.0)  # G (1 - G) in g's storage; masked entries stay 0
+            slope_pos = g_pos.addcmul_(g_pos, g_pos, value=-1.0)
+            rows_jac = jac[rows]  # a view when rows is a slice, else a copy written back below
+            rows_jac -= torch.bmm((coef * ratio)[:, None, :], slope).squeeze(1)
             add_at_columns(rows_jac, all_cols, torch.einsum("kc,kcn->kn", coef, slope_pos))
             through_i = coef * (slope_pos.sum(2) - ratio * slope.sum(2))
             add_at_columns(rows_jac, cols, -through_i)
-            jac[rows] = rows_jac
+            if not isinstance(rows, slice):
+                jac[rows] = rows_jac
         denom = n_pos.clamp(min=1).to(scaled.dtype)
         terms = torch.where(valid, 1.0 - ap_sum / denom, 0.0)
         return BlockResult(terms=terms, count=valid.sum(), valid=valid)

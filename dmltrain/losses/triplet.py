@@ -41,9 +41,11 @@ class _TripletKernel:
             if jac is not None:
                 act = active.to(d2.dtype)
                 # d hinge / d d2(a, n) = -1 and d hinge / d d2(a, p) = +1 for every active triplet.
-                rows_jac = jac[rows] - act.sum(1)
+                rows_jac = jac[rows]  # a view when rows is a slice, else a copy written back below
+                rows_jac -= act.sum(1)
                 add_at_columns(rows_jac, cols, act.sum(2))
-                jac[rows] = rows_jac
+                if not isinstance(rows, slice):
+                    jac[rows] = rows_jac
         valid = active_per_anchor > 0
         return BlockResult(terms=terms, count=active_per_anchor.sum(), valid=valid)
 
