@@ -215,6 +215,9 @@ class WorkerLoop:
         if cfg.model.freeze_bn:
             freeze_batchnorm(self.net)
         self.optimizer.zero_grad(set_to_none=True)
+        # Training-mode BatchNorm updates running statistics in the forward pass: keep a copy so a skipped
+        # (non-finite) step leaves the model exactly as it was.
+        buffers = None if cfg.model.freeze_bn else [b.detach().clone() for b in self.net.buffers()]
         result = global_batch_step(
             self.model,
             images,
@@ -224,6 +227,7 @@ class WorkerLoop:
             preprocess=normalize_images,
             freeze_bn=cfg.model.freeze_bn,
             autocast_dtype=self.autocast,
+            skip_nonfinite=True,
         )
         loss = float(result.loss)
         norm = _grad_norm(self.params, cfg.optim.grad_clip)
@@ -233,6 +237,10 @@ class WorkerLoop:
         else:
             # Identical decision on every rank: the loss and the synced gradients are global.
             self.optimizer.zero_grad(set_to_none=True)
+            if buffers is not None:
+                with torch.no_grad():
+                    for live, saved in zip(self.net.buffers(), buffers, strict=True):
+                        live.copy_(saved)
             self.counters.skipped_steps += 1
             self.counters.consecutive_skips += 1
             log.warning(
