@@ -28,22 +28,23 @@ class _TripletKernel:
         # Non-negatives (positives, the anchor itself) get +inf so their hinge is exactly 0.
         d2_neg = torch.where(block.same_label(), float("inf"), d2)
         terms = torch.zeros_like(d2[:, 0])
-        active_per_anchor = torch.zeros(d2.shape[0], dtype=torch.int64, device=d2.device)
+        active_per_anchor = torch.zeros(d2.shape[0], dtype=torch.float64, device=d2.device)
         jac = block.jacobian
         if jac is not None:
             jac.zero_()
         for _, rows, cols, _ in block.positive_chunks():
             d2_ap = torch.gather(d2[rows], 1, cols)  # (k, c)
             hinge = (d2_ap + self.margin)[:, :, None] - d2_neg[rows][:, None, :]  # (k, c, N)
-            active = hinge > 0
-            terms[rows] += hinge.clamp_(min=0).sum((1, 2))
-            active_per_anchor[rows] += active.sum((1, 2))
+            hinge.clamp_(min=0)
+            active = hinge.clamp(max=1.0).ceil_()  # 1.0 for an active triplet, else 0.0 (float, fast)
+            terms[rows] += hinge.sum((1, 2))
+            # per-anchor counts are exact in float64 (and in a float32 chunk sum below 2^24 elements)
+            active_per_anchor[rows] += active.sum((1, 2)).to(torch.float64)
             if jac is not None:
-                act = active.to(d2.dtype)
                 # d hinge / d d2(a, n) = -1 and d hinge / d d2(a, p) = +1 for every active triplet.
                 rows_jac = jac[rows]  # a view when rows is a slice, else a copy written back below
-                rows_jac -= act.sum(1)
-                add_at_columns(rows_jac, cols, act.sum(2))
+                rows_jac -= active.sum(1)
+                add_at_columns(rows_jac, cols, active.sum(2))
                 if not isinstance(rows, slice):
                     jac[rows] = rows_jac
         valid = active_per_anchor > 0
