@@ -143,7 +143,11 @@ def _mem_available_bytes() -> int:
 
 
 def _fmt_s(r: dict | None) -> str:
-    return "" if r is None else (r.get("skip") or r.get("error") or f"{r['seconds']:.3f}")
+    if r is None:
+        return ""
+    if "estimate" in r:
+        return f"{r['skip']}; est. {r['estimate']['seconds']:.1f}"
+    return r.get("skip") or r.get("error") or f"{r['seconds']:.3f}"
 
 
 def _fmt_mb(r: dict | None) -> str:
@@ -237,6 +241,14 @@ def main(argv: list[str] | None = None) -> int:
                 results[("pml", loss, batch)] = _run_case(dict(base, batch=batch, loss=loss, contender="pml"))
             print(f"  done B={batch} {loss}", file=sys.stderr, flush=True)
 
+    # PML Smooth-AP at B=1024 needs ~23 GB. When it was skipped for memory, time it at B=512 (1/8 of the
+    # memory) and scale by (1024/512)^3 (its work is B^3) so the speed goal can still be judged ("est.").
+    skipped = results.get(("pml", "smoothap", 1024), {})
+    if "need" in skipped and budget >= PML_SMOOTHAP_BYTES_PER_B3 * 512**3:
+        calib = _run_case(dict(base, batch=512, loss="smoothap", contender="pml"))
+        if "seconds" in calib:
+            skipped["estimate"] = dict(calib, seconds=calib["seconds"] * 8, measured_seconds=calib["seconds"])
+
     threads = next((r["threads"] for r in results.values() if "threads" in r), "?")
     print(f"# torch threads: {threads}; time = best of {repeats} after a first run; memory = extra peak RSS")
     print()
@@ -274,10 +286,15 @@ def _print_goals(results: dict, sizes: list[int], losses: list[str]) -> None:
 
     print("Goals:")
     ours, pml = get("dmltrain", "smoothap", 1024), get("pml", "smoothap", 1024)
+    note = ""
+    estimate = (results.get(("pml", "smoothap", 1024)) or {}).get("estimate")
+    if pml is None and estimate is not None:
+        pml = estimate
+        note = f", PML time estimated as 8 x its {estimate['measured_seconds']:.1f} s at B=512 (B^3 work)"
     speed = _ratio(pml, ours, "seconds")
     print(
         f"- Smooth-AP B=1024 under 1/40 of PML's time: {verdict(None if speed is None else speed >= 40)}"
-        + (f" ({speed:.0f}x faster)" if speed else "")
+        + (f" ({speed:.0f}x faster{note})" if speed else "")
     )
     mem_ok = None if ours is None else ours["peak_bytes"] < 1.2e9
     print(
