@@ -304,3 +304,31 @@ def test_non_finite_embeddings_raise_instead_of_spreading_nan() -> None:
     with pytest.raises(FloatingPointError, match="non-finite embeddings"):
         chunked_backward(model, images, labels, SmoothAPLoss(), 4, preprocess=preprocess)
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("chunk", [4, 6])  # two passes, and one pass
+def test_skip_nonfinite_returns_nan_and_leaves_gradients_alone(chunk: int) -> None:
+    images, labels = make_batch(6, seed=0)
+    model = make_model()
+    with torch.no_grad():
+        model.head.bias.fill_(float("nan"))
+    result = global_batch_step(
+        model, images, labels, SmoothAPLoss(), chunk, preprocess=preprocess, skip_nonfinite=True
+    )
+    assert math.isnan(result.loss.item()) and result.num_valid == 0
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_distributed_helpers_without_a_process_group() -> None:
+    from dmltrain import distributed
+
+    assert not distributed.is_distributed()
+    assert (distributed.get_rank(), distributed.get_world_size()) == (0, 1)
+    x = torch.arange(6.0).reshape(3, 2)
+    assert distributed.all_gather_sizes(3) == [3]
+    assert distributed.all_gather_uneven(x) is x
+    assert torch.equal(distributed.all_reduce_sum_(x.clone()), x)
+    p = nn.Parameter(torch.ones(2))
+    p.grad = torch.full((2,), 3.0)
+    distributed.sum_gradients_([p])
+    assert torch.equal(p.grad, torch.full((2,), 3.0))
