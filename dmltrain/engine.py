@@ -59,13 +59,14 @@ class _PartsLoss(Protocol):
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one global-batch step did; every field is the same on every rank.
+    """What one global-batch step did, for the trainer's logs.
 
-    `loss` is the global-batch loss (detached 0-d float32 tensor on the model's device). `num_queries`,
-    `num_valid` (queries that carried a signal) and `count` (the loss's normaliser) are global sums.
-    `comm_seconds` is wall time spent in the engine's own collectives, including waiting for slower
-    ranks; with DDP the gradient all-reduce runs inside the last backward and is counted in
-    `compute_seconds` (= total wall time of the step minus `comm_seconds`).
+    Global (the same on every rank): `loss`, the global-batch loss (detached 0-d float32 tensor on the
+    model's device; NaN only for a step skipped with skip_nonfinite); `num_queries`; `num_valid` (queries
+    that carried a signal); `count` (the loss's normaliser); `global_batch_size`; `world_size`.
+    Per rank: `local_batch_size`; `num_chunks`; `comm_seconds`, wall time in the engine's own collectives
+    including waiting for slower ranks (with DDP the gradient all-reduce runs inside the last backward and
+    is counted in `compute_seconds`); `compute_seconds`, the rest of the step's wall time.
     """
 
     loss: Tensor
@@ -148,6 +149,10 @@ def global_batch_step(
     skip_nonfinite: if the gathered embeddings or their loss gradient hold NaN/inf, return a NaN loss and
         add nothing to `.grad` on any rank (so a trainer can skip the update) instead of raising
         FloatingPointError. Either way no NaN reaches the parameter gradients.
+
+    Gradients accumulate into `.grad` as `backward()` does (existing values must agree across ranks under
+    DDP, which averages them). Bad arguments on any rank make every rank raise, instead of hanging in a
+    collective. Parameters of `loss_fn` itself, if it has any, receive no gradient.
     """
     start = time.perf_counter()
     ddp = model if isinstance(model, DistributedDataParallel) else None
