@@ -37,10 +37,20 @@ STATE_VERSION = 1
 
 
 def collate(samples: list[Sample], transform: Transform) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    images = torch.stack([transform(decode(s.data)) for s in samples])
+    images = []
+    for sample in samples:
+        try:
+            images.append(transform(decode(sample.data)))
+        except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
+            raise ValueError(f"{_where(sample)}: cannot decode/transform the image: {exc}") from exc
+    batch = torch.stack(images)
     labels = torch.tensor([s.cls for s in samples], dtype=torch.int64)
     categories = torch.tensor([s.category for s in samples], dtype=torch.int64)
-    return images, labels, categories
+    return batch, labels, categories
+
+
+def _where(sample: Sample) -> str:
+    return f"sample {sample.key!r} of shard {sample.url or sample.shard}"
 
 
 class TrainPlan:
@@ -52,6 +62,7 @@ class TrainPlan:
     ) -> None:
         shards = info.split(split).shards
         check_enough_shards(split, len(shards), world_size, workers)
+        self.shard_samples = [s.num_samples for s in shards]
         self.consumers = world_size * workers
         self.global_batch = batch_size * world_size
         self.category_counts: list[dict[int, int]] = []
@@ -144,9 +155,8 @@ class TrainStream(IterableDataset):
         # the part of logical worker n mod W so batches keep the uninterrupted round-robin order.
         worker = (loader_id + self.first_worker) % self.workers
         consumer = self.rank * self.workers + worker
-        stream = GroupStream(
-            self.urls, consumer_shards(len(self.urls), consumer, self.plan.consumers), self.seed, consumer
-        )
+        shard_ids = consumer_shards(len(self.urls), consumer, self.plan.consumers)
+        stream = GroupStream(self.urls, shard_ids, self.seed, consumer, self.plan.shard_samples)
         batcher = self._batcher(stream, consumer)
         local_step = 0
         state = self.worker_states.get(worker)
@@ -304,7 +314,8 @@ class TrainLoader:
 
 
 class EvalStream(IterableDataset):
-    def __init__(self, urls: list[tuple[int, str]], batch_size: int, transform: Transform) -> None:
+    def __init__(self, urls: list[tuple[int, str, int]], batch_size: int, transform: Transform) -> None:
+        """`urls`: (shard index, url, samples dataset.json lists) of each shard this rank reads."""
         super().__init__()
         self.urls, self.batch_size, self.transform = urls, batch_size, transform
 
@@ -312,8 +323,8 @@ class EvalStream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         batch: list[Sample] = []
-        for shard, url in self.urls[worker::workers]:
-            for sample in read_shard(url, shard=shard):
+        for shard, url, expected in self.urls[worker::workers]:
+            for sample in read_shard(url, shard=shard, expected=expected):
                 batch.append(sample)
                 if len(batch) == self.batch_size:
                     yield (*collate(batch, self.transform), [s.key for s in batch])
@@ -356,7 +367,7 @@ class EvalLoader:
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.transform = transform or test_transform(image_size, resize)
-        self._urls = [(i, urls[i]) for i in self.shards]
+        self._urls = [(i, urls[i], shards[i].num_samples) for i in self.shards]
 
     def __len__(self) -> int:
         """Upper bound on batches (exact with 0 or 1 loader workers)."""

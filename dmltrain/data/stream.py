@@ -76,10 +76,18 @@ def check_enough_shards(split: str, num_shards: int, world_size: int, workers: i
 class GroupStream:
     """Endless stream of class groups from one consumer's shards, resumable from a small position record."""
 
-    def __init__(self, urls: list[str], shard_ids: list[int], seed: int, consumer: int) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        shard_ids: list[int],
+        seed: int,
+        consumer: int,
+        counts: list[int] | None = None,
+    ) -> None:
         if not shard_ids:
             raise ValueError(f"consumer {consumer} has no shard to read")
         self.urls = urls
+        self.counts = counts  # samples per shard from dataset.json: a shard holding fewer is an error
         self.shard_ids = shard_ids
         self.seed = seed
         self.consumer = consumer
@@ -101,7 +109,9 @@ class GroupStream:
         while True:
             if self._reader is None:
                 shard = self.order(self.epoch)[self.pos]
-                self._reader = read_shard(self.urls[shard], shard=shard, skip=self.offset)
+                self._reader = read_shard(
+                    self.urls[shard], shard=shard, skip=self.offset, expected=self._expected(shard)
+                )
                 self._pending = None
             samples: list[Sample] = []
             if self._pending is not None:
@@ -121,6 +131,9 @@ class GroupStream:
             empty_shards += 1
             if empty_shards > len(self.shard_ids):
                 raise ValueError(f"every shard of consumer {self.consumer} is empty: {self.shard_ids}")
+
+    def _expected(self, shard: int) -> int | None:
+        return self.counts[shard] if self.counts is not None else None
 
     def _next_shard(self) -> None:
         self._reader = None
