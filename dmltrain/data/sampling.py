@@ -446,7 +446,7 @@ class TripletBatcher(Batcher):
     def _buffers_state(self) -> dict[str, Any]:
         return {
             "sizes": {str(c): len(self.buffers[c]) for c in sorted(self.buffers)},
-            "keys": {str(c): self.keys[c] for c in sorted(self.buffers)},
+            "keys": {str(c): list(self.keys[c]) for c in sorted(self.buffers)},  # a copy: the lists change
             "pending": len(self.pending),
         }
 
