@@ -93,6 +93,8 @@ def _worker(spec: dict) -> dict:
     """Runs in a fresh interpreter: one case, memory on the first call, then timed repeats."""
     import torch
 
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
     x, step = _make_case(spec["contender"], spec["loss"], spec["batch"], spec["dim"], spec["per_class"])
     (x[:8] @ x[:8].T).sum().item()  # start torch's thread pool outside the measurement
     limit = spec.get("address_space_limit")
@@ -193,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         "B^3 tensors would not fit in the available memory",
     )
     parser.add_argument("--memory-margin-gb", type=float, default=2.0, help="memory left to everything else")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per case (default: torch's)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -216,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "slow_seconds": args.slow_seconds,
     }
     base["address_space_limit"] = budget
+    base["threads"] = args.threads
 
     print(
         f"# dmltrain losses vs pytorch-metric-learning 2.9.0: forward+backward, D={args.dim}, "

@@ -21,10 +21,12 @@ from torch import Tensor
 Metric = Literal["dot", "sqeuclidean"]
 
 # Rough bytes of temporaries per element of a (rows x N) block and of a (rows x positives x N) chunk; used
-# to turn the memory budget into block sizes. Small blocks also keep temporaries cache-resident and avoid
-# page-faulting fresh 64 MB buffers on every elementwise op, which is what makes blocking *faster* on CPU.
+# to turn the memory budget into block sizes. On CPU, blocks of a few MB stay cache-resident and never
+# page-fault fresh buffers (glibc maps allocations above 32 MB afresh each time), which makes blocking
+# *faster* than whole-matrix ops; but every op is an OpenMP region, and on an oversubscribed CPU each region
+# can stall for a scheduler slice, so blocks should not be tiny either. The default budget balances both.
 _ROW_BYTES_PER_ELEMENT = 48
-_CHUNK_BYTES_PER_ELEMENT = 16
+_CHUNK_BYTES_PER_ELEMENT = 40
 
 
 class PositiveSets:

@@ -18,7 +18,8 @@ from dmltrain.losses._rowwise import RowKernel, rowwise_terms
 
 Reduction = Literal["mean", "sum", "none"]
 _REDUCTIONS = ("mean", "sum", "none")
-DEFAULT_MEMORY_BUDGET_MB = 32.0
+# Working memory of one block of queries (the saved B_q x N Jacobian comes on top). See _rowwise.py.
+DEFAULT_MEMORY_BUDGET_MB = 64.0
 
 
 @dataclass(frozen=True)
