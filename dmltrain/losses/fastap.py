@@ -58,8 +58,7 @@ class _FastAPKernel:
         # Positives are few: their cumulative histogram comes from a padded gather of their t.
         pos_cols, pos_real = block.positives.padded(torch.arange(n_rows, device=t.device) + block.rows.start)
         t_pos = torch.where(pos_real, torch.gather(t, 1, pos_cols), L + 2.0)  # padding: outside every bin
-        levels = torch.arange(1, L + 2, dtype=sim.dtype, device=sim.device)
-        cum_pos = (levels[None, :, None] - t_pos[:, None, :]).clamp_(0, 1).sum(2)
+        cum_pos = torch.stack([torch.rsub(t_pos, level + 1).clamp_(0, 1).sum(1) for level in range(L + 1)], 1)
         cum_pos -= t_pos.neg().clamp_(0, 1).sum(1, keepdim=True)
         h_pos = torch.diff(cum_pos, dim=1, prepend=torch.zeros_like(cum_pos[:, :1]))
         safe = cum_all > 0

@@ -171,6 +171,7 @@ class TnSchedule:
         return self.loss.tn
 
     def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume the schedule from a checkpoint."""
         return {"t1": self.t1, "t2": self.t2, "max_iter": self.max_iter, "cur_iter": self.cur_iter}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
