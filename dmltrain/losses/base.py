@@ -72,8 +72,11 @@ class RankingLoss(nn.Module, ABC):
     ) -> Tensor:
         """Loss of the queries ``embeddings`` against the reference set (default: the batch itself).
 
+        With ``ref_embeddings``/``ref_labels``, ``query_index[i]`` is the row of query ``i`` in the reference
+        set and is left out of its retrieval set (omit it when the queries are not in the reference set).
         ``reduction="none"`` returns the per-query terms ``t`` with ``mean == t.sum() / parts.count`` (see
-        the loss's docstring for what a term is); ``"sum"`` returns ``t.sum()``.
+        the loss's docstring for what a term is); ``"sum"`` returns ``t.sum()``. Malformed or non-finite
+        input raises ``ValueError`` naming the argument, rather than producing a NaN loss.
         """
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
