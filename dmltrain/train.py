@@ -12,6 +12,7 @@ import math
 import os
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ from dmltrain.config import ExperimentConfig
 from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
 from dmltrain.distributed_eval import evaluate
 from dmltrain.engine import default_autocast_dtype, global_batch_step
-from dmltrain.models import EmbeddingNet, build_model, freeze_batchnorm, normalize_images
+from dmltrain.models import EmbeddingNet, build_model, normalize_images
 from dmltrain.tracking import RunLogger
 
 log = logging.getLogger("dmltrain.train")
@@ -211,9 +212,7 @@ class WorkerLoop:
         t0 = time.perf_counter()
         images, labels, _categories = self.stream.next_batch()
         data_seconds = time.perf_counter() - t0
-        self.model.train()
-        if cfg.model.freeze_bn:
-            freeze_batchnorm(self.net)
+        self.model.train()  # the engine keeps BatchNorm frozen during the step when model.freeze_bn is set
         self.optimizer.zero_grad(set_to_none=True)
         # Training-mode BatchNorm updates running statistics in the forward pass: keep a copy so a skipped
         # (non-finite) step leaves the model exactly as it was.
@@ -254,7 +253,10 @@ class WorkerLoop:
                 )
         if result.num_valid == 0:
             self.counters.empty_batches += 1
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # A skipped step still advances the schedule (it is indexed by step); torch warns about that.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            self.scheduler.step()
         if self.tn_schedule is not None:
             self.tn_schedule.step()
         self.step += 1
