@@ -222,16 +222,15 @@ def test_ray_job_submit_runs_the_module(glyphs_root: Path, tmp_path: Path) -> No
             *overrides,
         ]
         proc = None
-        for _ in range(30):  # the dashboard needs a few seconds after `ray start`
+        for _ in range(60):  # the dashboard and the job agent need a while after `ray start`
             proc = subprocess.run(
                 submit, env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=600
             )
-            if (
-                "Failed to connect" not in proc.stdout + proc.stderr
-                and "Connection refused" not in proc.stderr
-            ):
-                break
-            time.sleep(2)
+            if "submitted successfully" in proc.stdout + proc.stderr:
+                break  # the head accepted the job; its outcome is what the test checks
+            time.sleep(
+                2
+            )  # dashboard or job agent still starting ("Connection refused", "No available agent")
         assert proc is not None and proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "run finished: MLflow run" in proc.stdout + proc.stderr
         client = MlflowClient(config.mlflow.tracking_uri)
