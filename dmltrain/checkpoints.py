@@ -1,8 +1,8 @@
 """Training-state checkpoints: what a restarted worker group needs to continue exactly where it stopped.
 
-Rank 0 writes the replicated state (model, optimizer, schedule, step); every rank writes its own stream
-position, because each rank reads different shards. Ray Train merges the per-rank directories into one
-checkpoint, so a restored rank finds both files side by side.
+One directory per checkpoint, written by rank 0: ``state.pt`` (model, optimizer, schedule, step, counters)
+and one stream position per rank (``stream_rankNNNN.pt``), because each rank reads different shards and a
+resumed rank must continue its own stream rather than replay it.
 """
 
 from __future__ import annotations

@@ -8,16 +8,19 @@ unconditionally. Local batches may differ in size between ranks: gathers exchang
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 __all__ = [
+    "all_gather_objects",
     "all_gather_sizes",
     "all_gather_uneven",
     "all_reduce_sum_",
     "broadcast_buffers_",
+    "broadcast_object",
     "communication_device",
     "get_rank",
     "get_world_size",
@@ -165,3 +168,21 @@ def broadcast_buffers_(module: nn.Module, src: int = 0) -> None:
         if staged is not buf:
             with torch.no_grad():
                 buf.copy_(staged)
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order (for small metadata such as stream positions)."""
+    if get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s picklable `obj` on every rank."""
+    if get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

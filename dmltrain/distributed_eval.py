@@ -17,7 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from dmltrain.data import DatasetInfo, EvalLoader
-from dmltrain.distributed import all_gather_sizes, all_gather_uneven, get_world_size
+from dmltrain.distributed import all_gather_objects, all_gather_sizes, all_gather_uneven, broadcast_object
 from dmltrain.evaluation import nearest_neighbors, retrieval_metrics
 from dmltrain.models import normalize_images
 
@@ -108,14 +108,8 @@ def embed_split(
 
 def _gather_thumbnails(wanted: list[int], mine: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
     """Rank 0 names the rows the grid shows; every rank contributes the ones it holds."""
-    if get_world_size() == 1:
-        return {i: mine[i] for i in wanted if i in mine}
-    import torch.distributed as dist
-
-    box: list[Any] = [wanted]
-    dist.broadcast_object_list(box, src=0)
-    parts: list[Any] = [None] * get_world_size()
-    dist.all_gather_object(parts, {i: mine[i] for i in box[0] if i in mine})
+    wanted = broadcast_object(wanted)
+    parts = all_gather_objects({i: mine[i] for i in wanted if i in mine})
     return {k: v for part in parts for k, v in part.items()}
 
 

@@ -29,6 +29,7 @@ from dmltrain.checkpoints import (
 )
 from dmltrain.config import ExperimentConfig
 from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
+from dmltrain.distributed import all_gather_objects
 from dmltrain.distributed_eval import evaluate
 from dmltrain.engine import default_autocast_dtype, global_batch_step
 from dmltrain.models import EmbeddingNet, build_model, normalize_images
@@ -140,13 +141,14 @@ class WorkerLoop:
         self.counters = _Counters()
         self.step = 0
         self.logger = RunLogger(tracking_uri, run_id) if self.rank == 0 else None
-        self.resumed = self._restore()
+        self._restore()
 
     # ------------------------------------------------------------------ resume / checkpoint
-    def _restore(self) -> bool:
+    def _restore(self) -> None:
+        """Continue from Ray's latest checkpoint (after a failure or a relaunch), if there is one."""
         checkpoint = self.ray.get_checkpoint()
         if checkpoint is None:
-            return False
+            return
         with checkpoint.as_directory() as directory:
             state = load_state(directory)
             stream_state = load_stream_state(directory, self.rank)
@@ -158,38 +160,42 @@ class WorkerLoop:
         self.counters.empty_batches = int(state.counters.get("empty_batches", 0))
         if self.tn_schedule is not None:
             self.tn_schedule.load_state_dict(state.extra["tn_schedule"])
-        if stream_state is not None and state.world_size == self.world:
+        try:
+            if stream_state is None:
+                raise ValueError(f"the checkpoint has no stream state for rank {self.rank}")
             self.stream.load_state_dict(stream_state)
-        else:
-            log.warning(
-                "rank %d: no stream state for world size %d; the stream restarts", self.rank, self.world
-            )
+        except ValueError as why:  # e.g. relaunched with another world size, batch size or sampler
+            log.warning("rank %d: data stream starts afresh (%s)", self.rank, why)
         log.info("rank %d resumed at step %d", self.rank, self.step)
-        return True
 
     def _checkpoint(self, metrics: dict[str, float]) -> None:
-        """Every rank reports (a barrier in Ray Train); rank 0 adds the replicated state."""
+        """Every rank reports (a barrier in Ray Train); rank 0 writes the whole state, including every
+        rank's stream position, so the Ray checkpoint and its MLflow copy are both complete."""
+        streams = all_gather_objects(self.stream.state_dict())
+        if self.rank != 0:
+            self.ray.report({"step": self.step, **metrics}, None)
+            return
         with tempfile.TemporaryDirectory() as directory:
-            save_stream_state(directory, self.rank, self.stream.state_dict())
-            if self.rank == 0:
-                save_state(
-                    directory,
-                    TrainingState(
-                        step=self.step,
-                        model=self.net.state_dict(),
-                        optimizer=self.optimizer.state_dict(),
-                        scheduler=self.scheduler.state_dict(),
-                        counters={
-                            "skipped_steps": self.counters.skipped_steps,
-                            "empty_batches": self.counters.empty_batches,
-                        },
-                        world_size=self.world,
-                        extra={"tn_schedule": self.tn_schedule.state_dict() if self.tn_schedule else None},
-                    ),
-                )
+            for rank, stream in enumerate(streams):
+                save_stream_state(directory, rank, stream)
+            save_state(
+                directory,
+                TrainingState(
+                    step=self.step,
+                    model=self.net.state_dict(),
+                    optimizer=self.optimizer.state_dict(),
+                    scheduler=self.scheduler.state_dict(),
+                    counters={
+                        "skipped_steps": self.counters.skipped_steps,
+                        "empty_batches": self.counters.empty_batches,
+                    },
+                    world_size=self.world,
+                    extra={"tn_schedule": self.tn_schedule.state_dict() if self.tn_schedule else None},
+                ),
+            )
             self.ray.report({"step": self.step, **metrics}, directory)
             if self.logger is not None and self.config.mlflow.log_checkpoints:
-                self.logger.log_file(os.path.join(directory, "state.pt"), "checkpoints/latest")
+                self.logger.log_directory(directory, "checkpoints/latest")
                 self.logger.set_tag("dmltrain.checkpoint_step", str(self.step))
 
     # ------------------------------------------------------------------ evaluation
