@@ -89,12 +89,9 @@ def test_run_logs_then_resumes_into_the_same_mlflow_run(
         assert key in run.data.metrics, key
     assert 0.0 <= run.data.metrics["eval/test/recall_at_1"] <= 1.0
     files = _artifacts(client, outcome.mlflow_run_id)
-    assert {
-        "config.yaml",
-        "model/model.pt",
-        "checkpoints/latest/state.pt",
-        "plots/training_curves.png",
-    } <= files
+    assert {"config.yaml", "model/model.pt", "plots/training_curves.png"} <= files
+    checkpoint = {"state.pt", "stream_rank0000.pt", "stream_rank0001.pt"}  # every rank's stream position
+    assert {f"checkpoints/latest/{name}" for name in checkpoint} <= files
     assert {"plots/recall_at_k/step_0000006.png", "plots/retrievals/step_0000006.png"} <= files
     assert run.data.tags["dmltrain.checkpoint_step"] == "6"
 
@@ -163,36 +160,53 @@ def _free_port() -> int:
 def test_ray_job_submit_runs_the_module(glyphs_root: Path, tmp_path: Path) -> None:
     """`ray start --head` + `ray job submit -- python -m dmltrain.run ...`, as a user does on a cluster."""
     bin_dir = Path(sys.executable).parent
+    ray_cli = str(bin_dir / "ray")
     env = {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",  # the head's workers use this venv
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "1",
+        "RAY_AUTH_MODE": "token",  # the head enables token auth; the CLI reads ~/.ray/auth_token
     }
     env.pop("RAY_ADDRESS", None)
     # A short path: Ray puts Unix sockets under it (108-byte limit); it also names this head's processes.
     temp_dir = tempfile.mkdtemp(prefix="dmlray", dir="/tmp")
     dashboard = _free_port()
+    # Every listener on a free port: the session's in-process cluster already holds Ray's default ports.
+    ports = {
+        "--port": _free_port(),
+        "--ray-client-server-port": _free_port(),
+        "--dashboard-agent-listen-port": _free_port(),
+        "--dashboard-agent-grpc-port": _free_port(),
+        "--runtime-env-agent-port": _free_port(),
+        "--metrics-export-port": _free_port(),
+        "--node-manager-port": _free_port(),
+        "--object-manager-port": _free_port(),
+    }
     head = subprocess.Popen(
         [
-            str(bin_dir / "ray"),
+            ray_cli,
             "start",
             "--head",
             "--block",
-            f"--port={_free_port()}",
             f"--dashboard-port={dashboard}",
             "--dashboard-host=127.0.0.1",
             "--num-cpus=2",
-            f"--ray-client-server-port={_free_port()}",
             "--disable-usage-stats",
             f"--temp-dir={temp_dir}",
+            *(f"{flag}={port}" for flag, port in ports.items()),
         ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+
+    def ray_job(command: str, *args: str) -> subprocess.CompletedProcess[str]:
+        cli = [ray_cli, "job", command, "--address", f"http://127.0.0.1:{dashboard}", *args]
+        return subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+
     try:
-        config = _config(tmp_path, glyphs_root, "submitted", "train.steps=2", "train.eval_every=2")
+        config = _config(tmp_path, glyphs_root, "submitted")
         overrides = [
             f"data.root={config.data.root}",
             "data.prepare=null",
@@ -206,33 +220,36 @@ def test_ray_job_submit_runs_the_module(glyphs_root: Path, tmp_path: Path) -> No
             "eval.max_images=400",
             "eval.grid_queries=0",
         ]
-        submit = [
-            str(bin_dir / "ray"),
-            "job",
-            "submit",
-            "--address",
-            f"http://127.0.0.1:{dashboard}",
-            "--working-dir",
-            str(REPO),
-            "--",
-            "python",
-            "-m",
-            "dmltrain.run",
-            "configs/quickstart.yaml",
-            *overrides,
-        ]
-        proc = None
-        for _ in range(60):  # the dashboard and the job agent need a while after `ray start`
-            proc = subprocess.run(
-                submit, env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=600
+        job_id = f"dmltrain-test-{os.getpid()}"
+        submitted = None
+        for _ in range(60):  # the dashboard and then the job agent come up a while after `ray start`
+            submitted = ray_job(
+                "submit",
+                "--no-wait",
+                f"--submission-id={job_id}",
+                "--working-dir",
+                str(REPO),
+                "--",
+                "python",
+                "-m",
+                "dmltrain.run",
+                "configs/quickstart.yaml",
+                *overrides,
             )
-            if "submitted successfully" in proc.stdout + proc.stderr:
-                break  # the head accepted the job; its outcome is what the test checks
-            time.sleep(
-                2
-            )  # dashboard or job agent still starting ("Connection refused", "No available agent")
-        assert proc is not None and proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "run finished: MLflow run" in proc.stdout + proc.stderr
+            if submitted.returncode == 0:
+                break
+            time.sleep(2)
+        assert submitted is not None and submitted.returncode == 0, submitted.stdout + submitted.stderr
+        status = ""
+        deadline = time.monotonic() + 420
+        while time.monotonic() < deadline:
+            status = ray_job("status", job_id).stdout.lower()  # "... job '<id>' succeeded" etc.
+            if any(word in status for word in ("succeeded", "failed", "stopped")):
+                break
+            time.sleep(3)
+        logs = ray_job("logs", job_id).stdout
+        assert "succeeded" in status, f"job status: {status[-500:]}\njob logs:\n{logs[-4000:]}"
+        assert "run finished: MLflow run" in logs
         client = MlflowClient(config.mlflow.tracking_uri)
         runs = client.search_runs(
             [client.get_experiment_by_name(config.mlflow.experiment).experiment_id],
