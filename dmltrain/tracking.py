@@ -9,7 +9,6 @@ starts from the steps already stored for each metric and skips those, so no step
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -58,7 +57,7 @@ def start_or_resume_run(
     """Find the MLflow run for ``key`` or create it; return ``(run_id, resumed)``.
 
     A new run gets the flattened config as params and the resolved YAML as an artifact; a resumed run is
-    set back to RUNNING so the UI shows it as live again.
+    set back to RUNNING so the UI shows it as live again, and gets the relaunch's YAML as another artifact.
     """
     client = MlflowClient(tracking_uri)
     found = client.get_experiment_by_name(experiment)
@@ -69,6 +68,8 @@ def start_or_resume_run(
     if existing:
         run_id = existing[0].info.run_id
         client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        # Params are immutable in MLflow: keep each relaunch's resolved config beside the original.
+        client.log_text(run_id, config_yaml, f"config_relaunch_{time.strftime('%Y%m%dT%H%M%S')}.yaml")
         return run_id, True
     run = client.create_run(experiment_id, run_name=run_name, tags={RUN_KEY_TAG: key})
     run_id = run.info.run_id
@@ -119,9 +120,6 @@ class RunLogger:
     def log_figure(self, figure: Figure, artifact_file: str) -> None:
         self.client.log_figure(self.run_id, figure, artifact_file)
 
-    def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
-
     def log_directory(self, local_dir: str | os.PathLike[str], artifact_path: str) -> None:
         self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
 
@@ -130,11 +128,3 @@ class RunLogger:
 
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, value)
-
-    def log_bytes(self, data: bytes, artifact_file: str) -> None:
-        """Store raw bytes (e.g. a state dict) under ``artifact_file``."""
-        folder, _, name = artifact_file.rpartition("/")
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / name
-            path.write_bytes(data)
-            self.client.log_artifact(self.run_id, str(path), folder or None)

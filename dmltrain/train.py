@@ -300,11 +300,12 @@ class WorkerLoop:
                         metrics["train/images_per_second"],
                     )
                 window = _Window()
-            evaluated: dict[str, float] = {}
-            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
-                evaluated = self._evaluate()
-                self._log(evaluated)
-            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or evaluated:
+            last = self.step == cfg.steps
+            evaluate_now = last or self.step % cfg.eval_every == 0
+            evaluated = self._evaluate() if evaluate_now else {}  # metrics on rank 0 only
+            self._log(evaluated)
+            # Decided from the step alone, so every rank reaches Ray's report barrier at the same step.
+            if evaluate_now or last or self.step % cfg.checkpoint_every == 0:
                 self._checkpoint(evaluated)
         if self.logger is not None:
             self._finish()

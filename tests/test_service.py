@@ -76,15 +76,15 @@ def test_run_logs_then_resumes_into_the_same_mlflow_run(
     ray_cluster, glyphs_root: Path, tmp_path: Path
 ) -> None:
     config = _config(
-        tmp_path, glyphs_root, "e2e", "train.steps=6", "train.checkpoint_every=3", "train.eval_every=6"
-    )
+        tmp_path, glyphs_root, "e2e", "train.steps=6", "train.checkpoint_every=4", "train.eval_every=3"
+    )  # evaluations off the checkpoint cadence: every rank must still checkpoint at the same steps
     outcome = launch(config)
     client = MlflowClient(outcome.tracking_uri)
     run = client.get_run(outcome.mlflow_run_id)
     assert run.info.status == "FINISHED" and not outcome.resumed
     assert run.data.params["loss.name"] == "smoothap" and run.data.params["train.steps"] == "6"
     assert _history(client, outcome.mlflow_run_id, "train/loss") == [2, 4, 6]
-    assert _history(client, outcome.mlflow_run_id, "eval/test/recall_at_1") == [0, 6]
+    assert _history(client, outcome.mlflow_run_id, "eval/test/recall_at_1") == [0, 3, 6]
     for key in ("train/images_per_second", "train/data_wait_share", "train/lr", "eval/test/map_at_r"):
         assert key in run.data.metrics, key
     assert 0.0 <= run.data.metrics["eval/test/recall_at_1"] <= 1.0
@@ -99,8 +99,10 @@ def test_run_logs_then_resumes_into_the_same_mlflow_run(
     more = config.model_copy(update={"train": config.train.model_copy(update={"steps": 9})})
     again = launch(more)
     assert again.resumed and again.mlflow_run_id == outcome.mlflow_run_id
+    relaunches = [f for f in _artifacts(client, outcome.mlflow_run_id) if f.startswith("config_relaunch_")]
+    assert len(relaunches) == 1
     assert _history(client, outcome.mlflow_run_id, "train/loss") == [2, 4, 6, 8, 9]
-    assert _history(client, outcome.mlflow_run_id, "eval/test/recall_at_1") == [0, 6, 9]
+    assert _history(client, outcome.mlflow_run_id, "eval/test/recall_at_1") == [0, 3, 6, 9]
     assert client.get_run(outcome.mlflow_run_id).data.tags["dmltrain.checkpoint_step"] == "9"
 
 
