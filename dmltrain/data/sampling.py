@@ -202,7 +202,26 @@ class PoolBatcher(Batcher):
         self.size = sum(state["part_sizes"])
 
 
-class PairSchedule:
+class _ShuffledRounds:
+    """A fixed list of batch plans visited once per round, in an order seeded by (seed, salt, round), so
+    every rank derives the same plan for a global step without communicating."""
+
+    def __init__(self, entries: list[Any], seed: int, salt: int) -> None:
+        self.entries = entries
+        self.seed = seed
+        self.salt = salt
+        self.round_length = len(entries)
+        self._cache: tuple[int, np.ndarray] | None = None
+
+    def entry(self, step: int) -> Any:
+        round_index, i = divmod(step, self.round_length)
+        if self._cache is None or self._cache[0] != round_index:
+            rng = np.random.default_rng([self.seed, self.salt, round_index])
+            self._cache = (round_index, rng.permutation(self.round_length))
+        return self.entries[int(self._cache[1][i])]
+
+
+class PairSchedule(_ShuffledRounds):
     """FastAP epoch: every pair of categories `batches_per_pair` times, in a seeded order per round."""
 
     def __init__(self, categories: list[int], batches_per_pair: int, seed: int) -> None:
@@ -210,42 +229,30 @@ class PairSchedule:
             raise ValueError(f"hard sampling needs at least 2 usable categories, got {categories}")
         self.pairs = list(combinations(sorted(categories), 2))
         self.batches_per_pair = batches_per_pair
-        self.seed = seed
-        self.round_length = len(self.pairs) * batches_per_pair
-        self._cache: tuple[int, np.ndarray] | None = None
+        super().__init__([pair for pair in self.pairs for _ in range(batches_per_pair)], seed, salt=7)
 
     def at(self, step: int) -> list[tuple[int, float]]:
         """[(category, share of the batch)] for global step `step`."""
-        round_index, i = divmod(step, self.round_length)
-        if self._cache is None or self._cache[0] != round_index:
-            rng = np.random.default_rng([self.seed, 7, round_index])
-            self._cache = (round_index, rng.permutation(self.round_length))
-        a, b = self.pairs[int(self._cache[1][i]) // self.batches_per_pair]
+        a, b = self.entry(step)
         return [(a, 0.5), (b, 0.5)]
 
 
-class CategorySchedule:
+class CategorySchedule(_ShuffledRounds):
     """FastAP VehicleID epoch: labelled category c in round(2 N_c / M) batches (at least one), each
     paired with unlabelled classes (category -1)."""
 
     def __init__(self, category_images: dict[int, int], global_batch: int, seed: int) -> None:
         if not category_images:
             raise ValueError("vehicleid sampling needs labelled categories that every consumer holds")
-        self.entries = [
+        entries = [
             c
             for c in sorted(category_images)
             for _ in range(max(1, round(2 * category_images[c] / global_batch)))
         ]
-        self.seed = seed
-        self.round_length = len(self.entries)
-        self._cache: tuple[int, np.ndarray] | None = None
+        super().__init__(entries, seed, salt=11)
 
     def at(self, step: int) -> list[tuple[int, float]]:
-        round_index, i = divmod(step, self.round_length)
-        if self._cache is None or self._cache[0] != round_index:
-            rng = np.random.default_rng([self.seed, 11, round_index])
-            self._cache = (round_index, rng.permutation(self.round_length))
-        return [(self.entries[int(self._cache[1][i])], 0.5), (-1, 0.5)]
+        return [(self.entry(step), 0.5), (-1, 0.5)]
 
 
 class ReservoirBatcher(Batcher):
