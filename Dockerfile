@@ -45,17 +45,17 @@ RUN set -eux; \
     useradd --uid 1000 --gid 1000 --create-home --home-dir /home/ray --shell /bin/bash ray; \
     command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python
 
-# Install dmltrain (not editable: the image is a release) with the gpu extra: faiss-gpu instead of
-# faiss-cpu. One resolve, with the pins above as constraints. For VM clusters (`ray up` on AWS): s3fs lets
-# fsspec read s3:// shards (data.root), and boto3 is what the head's autoscaler launches workers with;
-# resolving them here keeps boto3 and s3fs's botocore pin consistent. Ray writes s3:// checkpoints itself.
+# Install dmltrain (not editable: the image is a release) with the gpu extra (faiss-gpu instead of
+# faiss-cpu) and the s3 extra (s3fs, so data.root can be s3://), plus boto3, which the `ray up` head's
+# autoscaler launches EC2 workers with. One resolve, with the pins above as constraints, keeps boto3 on
+# the botocore that s3fs's aiobotocore pins. Ray writes s3:// checkpoints itself.
 COPY pyproject.toml README.md /tmp/dmltrain-src/
 COPY dmltrain /tmp/dmltrain-src/dmltrain
 RUN set -eux; \
     printf 'ray==%s\ntorch==%s\ntorchvision==%s\n' "$RAY_VERSION" "$TORCH_VERSION" "$TORCHVISION_VERSION" \
         > /tmp/constraints.txt; \
     cd /tmp/dmltrain-src; \
-    python -m pip install --constraint /tmp/constraints.txt ".[gpu]" s3fs boto3; \
+    python -m pip install --constraint /tmp/constraints.txt ".[gpu,s3]" boto3; \
     cd /; \
     rm -rf /tmp/dmltrain-src /tmp/constraints.txt; \
     ray --version; \
