@@ -5,12 +5,15 @@ and the member instead of yielding fewer samples."""
 
 from __future__ import annotations
 
+import functools
 import gzip
+import http.server
 import io
 import re
 import shutil
 import subprocess
 import tarfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -305,3 +308,64 @@ def test_loaders_report_a_damaged_shard_by_name(prepared: Path, tmp_path: Path) 
         ValueError, match=re.escape(f"sample {entries[0].key!r} of shard {url}: cannot decode")
     ):
         list(EvalLoader(tmp_path / "out", "train", 4, rank=0, world_size=1, image_size=8))
+
+
+def eval_batches(root: str | Path) -> list[tuple[list[str], list[int], bytes]]:
+    loader = EvalLoader(root, "train", 5, rank=0, world_size=1, num_workers=0, image_size=8)
+    return [(keys, labels.tolist(), images.numpy().tobytes()) for images, labels, _, keys in loader]
+
+
+@pytest.fixture
+def http_root(prepared: Path, tmp_path: Path):
+    """A copy of the prepared data set behind a real HTTP server on a free loopback port."""
+    served = tmp_path / "served"
+    shutil.copytree(prepared, served)
+    handler = functools.partial(_QuietHandler, directory=str(served))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        yield f"http://127.0.0.1:{server.server_address[1]}", served
+        server.shutdown()
+        thread.join()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_remote_roots_stream_the_same_batches_as_the_local_directory(prepared: Path, http_root) -> None:
+    """`data.root` as a URL: http(s) goes through webdataset's curl, other schemes (s3://, memory://, ...)
+    through fsspec. Both must give exactly the local batches, metadata included."""
+    import fsspec
+
+    local = eval_batches(prepared)
+    assert sum(len(keys) for keys, _, _ in local) == load_dataset_info(prepared).split("train").num_samples
+
+    url, _ = http_root
+    assert load_dataset_info(url) == load_dataset_info(prepared)
+    assert eval_batches(url) == local
+
+    memory = fsspec.filesystem("memory")
+    memory.put(str(prepared), "/dmltrain-test-remote", recursive=True)
+    try:
+        assert eval_batches("memory://dmltrain-test-remote") == local
+    finally:
+        memory.rm("/dmltrain-test-remote", recursive=True)
+
+
+def test_a_missing_shard_is_named_locally_and_remotely(http_root) -> None:
+    url, served = http_root
+    info = load_dataset_info(url)
+    missing = info.split("train").shards[1].name
+    (served / missing).unlink()
+    for root, shard in ((served, served / missing), (url, f"{url}/{missing}")):
+        with pytest.raises(ShardError, match=re.escape(f"{shard}: missing or unreadable shard")):
+            eval_batches(root)
+        loader = TrainLoader(root, 8, {"name": "pk"}, rank=0, world_size=1, num_workers=0, image_size=8)
+        with pytest.raises(ShardError, match=re.escape(f"{shard}: missing or unreadable shard")):
+            batches = iter(loader)
+            for _ in range(10):  # 24 images, batches of 8: the missing shard is reached within 3
+                next(batches)
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{url}/nowhere/dataset.json not found")):
+        load_dataset_info(f"{url}/nowhere")

@@ -98,7 +98,18 @@ def read_shard(
     Members are grouped into samples as webdataset does: the key is the name up to the first dot of its
     last path component, the rest (lower-cased) is the field. `expected` (the count dataset.json lists)
     turns a shard that was cut at a member boundary or replaced into an error instead of fewer samples.
+    A shard that cannot be opened or read (missing file, HTTP 404, a remote reader's failing exit status)
+    is a ShardError naming it too.
     """
+    try:
+        yield from _read_shard(url, shard, skip, with_meta, expected)
+    except ShardError:
+        raise
+    except OSError as exc:
+        raise ShardError(f"{url}: missing or unreadable shard ({exc})") from exc
+
+
+def _read_shard(url: str, shard: int, skip: int, with_meta: bool, expected: int | None) -> Iterator[Sample]:
     stream = open_url(url)
     try:
         parts: dict[str, bytes] = {}

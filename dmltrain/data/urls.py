@@ -48,14 +48,15 @@ def open_url(url: str) -> IO[bytes]:
 
 
 def read_bytes(url: str) -> bytes:
+    """The whole file; any failure (including a remote reader's exit status, reported only on close) is
+    a FileNotFoundError naming the URL."""
     try:
-        stream = open_url(url)
+        with open_url(url) as stream:
+            data = stream.read()
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise FileNotFoundError(f"cannot open {url}: {exc}") from exc
-    with stream:
-        data = stream.read()
+        raise FileNotFoundError(f"cannot read {url}: {exc}") from exc
     if not data:
         raise FileNotFoundError(f"{url} is empty or missing")
     return data
