@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from _memory import reset_peak_rss, status_kb  # bench/_memory.py, beside this script
 
 QUICK = {"time_batch": 64, "mem_batches": [256], "plain_mem_batches": [64], "steps": 3, "dist_batch": 64}
 FULL = {
@@ -43,21 +44,6 @@ FULL = {
 
 # ----------------------------------------------------------------------------------------------------
 # one case, inside its own process
-
-
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def _setup(case: dict) -> tuple:
@@ -123,15 +109,15 @@ def run_single(case: dict) -> dict:
     torch.set_num_threads(case["threads"])
     model, images, labels, loss_fn = _setup(case)
     step = _step_fn(case, model, images, labels, loss_fn)
-    rss_setup = _status_kb("VmRSS")
-    reset_ok = _reset_peak()
+    rss_setup = status_kb("VmRSS")
+    reset_ok = reset_peak_rss()
     times = []
     for i in range(case["warmup"] + case["steps"]):
         t0 = time.perf_counter()
         step()
         if i >= case["warmup"]:
             times.append(time.perf_counter() - t0)
-    hwm = _status_kb("VmHWM")
+    hwm = status_kb("VmHWM")
     return {
         "seconds": statistics.median(times),
         "proc_peak_mb": hwm / 1024,

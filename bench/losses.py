@@ -30,24 +30,13 @@ import subprocess
 import sys
 import time
 
+from _memory import reset_peak_rss, status_kb  # bench/_memory.py, beside this script
+
 LOSSES = ("fastap", "smoothap", "rll", "triplet")
 LOSS_TITLES = {"fastap": "FastAP", "smoothap": "Smooth-AP", "rll": "Ranked List", "triplet": "triplet"}
 # Measured here: PML Smooth-AP peaks near 5.3 float32 B^3 tensors (2.87 GB at B = 512, 22.4 GB at 1024).
 PML_SMOOTHAP_BYTES_PER_B3 = 5.3 * 4
 GIB = 2**30
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _make_case(contender: str, loss: str, batch: int, dim: int, per_class: int):
@@ -96,14 +85,15 @@ def _memory_worker(spec: dict) -> dict:
     (x[:8] @ x[:8].T).sum().item()  # start torch's thread pool outside the measurement
     limit = spec.get("address_space_limit")
     if limit:  # whatever is mapped now (libraries, inputs) plus at most the memory that was available
-        mapped = _status_kb("VmSize") * 1024
+        mapped = status_kb("VmSize") * 1024
         resource.setrlimit(resource.RLIMIT_AS, (mapped + limit, resource.RLIM_INFINITY))
-    base_kb = _status_kb("VmRSS")
-    _reset_peak_rss()
+    base_kb = status_kb("VmRSS")
+    if not reset_peak_rss():
+        raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): no memory figures")
     start = time.perf_counter()
     step()
     first = time.perf_counter() - start
-    peak_kb = _status_kb("VmHWM")
+    peak_kb = status_kb("VmHWM")
     return {
         "seconds": first,
         "first_seconds": first,
