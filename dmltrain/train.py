@@ -13,7 +13,7 @@ import os
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +42,20 @@ class NonFiniteLossError(RuntimeError):
     """Too many consecutive steps produced a NaN/inf loss or gradient: the run is diverging."""
 
 
+@dataclass(frozen=True)
+class _StepStats:
+    """What one training step reports to the log window."""
+
+    loss: float
+    grad_norm: float
+    images: int
+    seconds: float
+    data_seconds: float
+    comm_seconds: float
+    valid: int
+    queries: int
+
+
 @dataclass
 class _Window:
     """Running sums over the steps since the last log line."""
@@ -55,17 +69,15 @@ class _Window:
     valid: int = 0
     queries: int = 0
 
-    def add(
-        self, loss: float, images: int, seconds: float, data: float, comm: float, valid: int, queries: int
-    ):
+    def add(self, step: _StepStats) -> None:
         self.steps += 1
-        self.loss += loss
-        self.images += images
-        self.seconds += seconds
-        self.data_seconds += data
-        self.comm_seconds += comm
-        self.valid += valid
-        self.queries += queries
+        self.loss += step.loss
+        self.images += step.images
+        self.seconds += step.seconds
+        self.data_seconds += step.data_seconds
+        self.comm_seconds += step.comm_seconds
+        self.valid += step.valid
+        self.queries += step.queries
 
     def metrics(self) -> dict[str, float]:
         seconds = max(self.seconds, 1e-9)
@@ -80,10 +92,18 @@ class _Window:
 
 @dataclass
 class _Counters:
+    """Run totals that survive a restart (checkpointed), plus the current run of skipped steps."""
+
     skipped_steps: int = 0
     empty_batches: int = 0
     consecutive_skips: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"skipped_steps": self.skipped_steps, "empty_batches": self.empty_batches}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.empty_batches = int(state.get("empty_batches", 0))
 
 
 def _unwrap(model: nn.Module) -> EmbeddingNet:
@@ -156,8 +176,7 @@ class WorkerLoop:
         self.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(state.scheduler)
         self.step = state.step
-        self.counters.skipped_steps = int(state.counters.get("skipped_steps", 0))
-        self.counters.empty_batches = int(state.counters.get("empty_batches", 0))
+        self.counters.load_state_dict(state.counters)
         if self.tn_schedule is not None:
             self.tn_schedule.load_state_dict(state.extra["tn_schedule"])
         try:
@@ -185,10 +204,7 @@ class WorkerLoop:
                     model=self.net.state_dict(),
                     optimizer=self.optimizer.state_dict(),
                     scheduler=self.scheduler.state_dict(),
-                    counters={
-                        "skipped_steps": self.counters.skipped_steps,
-                        "empty_batches": self.counters.empty_batches,
-                    },
+                    counters=self.counters.state_dict(),
                     world_size=self.world,
                     extra={"tn_schedule": self.tn_schedule.state_dict() if self.tn_schedule else None},
                 ),
@@ -213,7 +229,7 @@ class WorkerLoop:
         )
 
     # ------------------------------------------------------------------ training
-    def _train_step(self) -> tuple[float, int, int, float, float, float, float]:
+    def _train_step(self) -> _StepStats:
         cfg = self.config
         t0 = time.perf_counter()
         images, labels, _categories = self.stream.next_batch()
@@ -266,8 +282,16 @@ class WorkerLoop:
         if self.tn_schedule is not None:
             self.tn_schedule.step()
         self.step += 1
-        seconds = time.perf_counter() - t0
-        return loss, result.num_valid, result.num_queries, data_seconds, result.comm_seconds, seconds, norm
+        return _StepStats(
+            loss=loss,
+            grad_norm=norm,
+            images=cfg.train.global_batch_size,
+            seconds=time.perf_counter() - t0,
+            data_seconds=data_seconds,
+            comm_seconds=result.comm_seconds,
+            valid=result.num_valid,
+            queries=result.num_queries,
+        )
 
     def run(self) -> None:
         cfg = self.config.train
@@ -275,15 +299,16 @@ class WorkerLoop:
             self._log(self._evaluate())
         window = _Window()
         while self.step < cfg.steps:
-            loss, valid, queries, data_s, comm_s, seconds, norm = self._train_step()
-            if math.isfinite(loss):
-                window.add(loss, self.config.train.global_batch_size, seconds, data_s, comm_s, valid, queries)
-            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+            stats = self._train_step()
+            if math.isfinite(stats.loss):
+                window.add(stats)
+            last = self.step == cfg.steps
+            if last or self.step % cfg.log_every == 0:
                 metrics = window.metrics() if window.steps else {}
                 metrics.update(
                     {
                         "train/lr": self.optimizer.param_groups[0]["lr"],
-                        "train/grad_norm": norm,
+                        "train/grad_norm": stats.grad_norm,
                         "train/skipped_steps": self.counters.skipped_steps,
                         "train/empty_batches": self.counters.empty_batches,
                     }
@@ -300,12 +325,11 @@ class WorkerLoop:
                         metrics["train/images_per_second"],
                     )
                 window = _Window()
-            last = self.step == cfg.steps
             evaluate_now = last or self.step % cfg.eval_every == 0
             evaluated = self._evaluate() if evaluate_now else {}  # metrics on rank 0 only
             self._log(evaluated)
             # Decided from the step alone, so every rank reaches Ray's report barrier at the same step.
-            if evaluate_now or last or self.step % cfg.checkpoint_every == 0:
+            if evaluate_now or self.step % cfg.checkpoint_every == 0:
                 self._checkpoint(evaluated)
         if self.logger is not None:
             self._finish()
