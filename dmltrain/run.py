@@ -35,18 +35,18 @@ class RunOutcome:
     metrics: dict[str, float]
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path
-
-
 def resolve_paths(config: ExperimentConfig, base: Path | None = None) -> ExperimentConfig:
     """Make local relative paths absolute against the launch directory; URLs are left untouched."""
+    from dmltrain.data.urls import is_local, local_path
+
     base = base or Path.cwd()
     updates: dict[str, dict[str, str]] = {}
-    if not _is_url(config.data.root) and not Path(config.data.root).is_absolute():
-        updates["data"] = {"root": str((base / config.data.root).resolve())}
-    if not _is_url(config.run.storage_path) and not Path(config.run.storage_path).is_absolute():
-        updates["run"] = {"storage_path": str((base / config.run.storage_path).resolve())}
+    for section, key, value in (
+        ("data", "root", config.data.root),
+        ("run", "storage_path", config.run.storage_path),
+    ):
+        if is_local(value) and not Path(local_path(value)).is_absolute():
+            updates[section] = {key: str((base / local_path(value)).resolve())}
     weights = config.model.weights
     if weights and (base / weights).is_file() and not Path(weights).is_absolute():
         updates["model"] = {"weights": str((base / weights).resolve())}

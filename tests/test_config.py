@@ -104,3 +104,29 @@ def test_yaml_round_trip_and_flatten(tmp_path: Path) -> None:
     assert load_config(copy) == config
     flat = flatten(config)
     assert flat["loss.name"] == "smoothap" and flat["train.steps"] == str(config.train.steps)
+
+
+@pytest.mark.parametrize(
+    ("root", "storage", "expected_root", "expected_storage"),
+    [
+        ("data/glyphs", "runs", "{base}/data/glyphs", "{base}/runs"),
+        ("/abs/data", "/abs/runs", "/abs/data", "/abs/runs"),
+        ("s3://bucket/sop", "s3://bucket/runs", "s3://bucket/sop", "s3://bucket/runs"),
+        ("https://host/sop", "gs://bucket/runs", "https://host/sop", "gs://bucket/runs"),
+        ("file:///abs/data", "runs", "file:///abs/data", "{base}/runs"),
+        ("pipe:aws s3 cp s3://b/x -", "runs", "pipe:aws s3 cp s3://b/x -", "{base}/runs"),
+    ],
+)
+def test_launch_resolves_only_relative_local_paths(
+    tmp_path: Path, root: str, storage: str, expected_root: str, expected_storage: str
+) -> None:
+    """Ray workers run in another directory: relative paths become absolute, URLs stay as written."""
+    from dmltrain.run import resolve_paths
+
+    config = load_config(
+        CONFIGS[0].parent / "quickstart.yaml", [f"data.root={root}", f"run.storage_path={storage}"]
+    )
+    resolved = resolve_paths(config, base=tmp_path)
+    base = str(tmp_path.resolve())
+    assert resolved.data.root == expected_root.format(base=base)
+    assert resolved.run.storage_path == expected_storage.format(base=base)
