@@ -8,7 +8,7 @@ retrieval-grid plot each rank keeps tiny thumbnails of its own images and sends 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -125,7 +125,7 @@ def evaluate(
     autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
     """Run the dataset's evaluations (dataset.json ``evaluations``); rank 0 returns and plots metrics."""
-    from dmltrain.plots import recall_at_k_curve, retrieval_grid
+    from dmltrain.plots import recall_at_k_curve
 
     ks = config.eval.ks
     want_grid = config.eval.grid_queries > 0
@@ -158,7 +158,6 @@ def evaluate(
             rank,
             logger,
             step,
-            retrieval_grid,
         )
     if rank == 0 and logger is not None and curves:
         figure = recall_at_k_curve({f"{name} @ step {step}": m for name, m in curves.items()})
@@ -173,10 +172,11 @@ def _log_grid(
     rank: int,
     logger: RunLogger | None,
     step: int,
-    draw: Any,
     k: int = 5,
 ) -> None:
     """Queries spread evenly over the split, with their top-k retrievals marked right/wrong."""
+    from dmltrain.plots import retrieval_grid
+
     n = len(queries.labels)
     picks = np.linspace(0, n - 1, num=min(num_queries, n)).round().astype(int).tolist() if n else []
     neighbors = np.empty((0, k), dtype=np.int64)
@@ -198,7 +198,7 @@ def _log_grid(
     if rank != 0 or logger is None or not picks:
         return
     source = queries if gallery is None else gallery
-    figure = draw(
+    figure = retrieval_grid(
         [query_thumbs[i] for i in picks],
         queries.labels[picks].numpy(),
         neighbors,

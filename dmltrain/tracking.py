@@ -115,7 +115,7 @@ class RunLogger:
 
     def history(self, key: str) -> dict[int, float]:
         """``step -> value`` of a metric as stored, across every attempt of a resumed run."""
-        return {m.step: m.value for m in self.client.get_metric_history(self.run_id, key)}
+        return {m.step: m.value for m in self.client.get_metric_history(self.run_id, metric_name(key))}
 
     def log_figure(self, figure: Figure, artifact_file: str) -> None:
         self.client.log_figure(self.run_id, figure, artifact_file)
