@@ -26,7 +26,8 @@ _MIN_EXPONENT = -80.0
 
 
 def _set_weights(active: Tensor, logits: Tensor, bound: float | None) -> tuple[Tensor, Tensor]:
-    """Eq. 9/10 weights exp(logits) on the active entries of each row (0 elsewhere) and their row sums.
+    """Eq. 9/10 weights exp(logits) on the active entries of each row (0 elsewhere) and 1 / their row sum
+    (0 for a row with no active entry), the normaliser of Eq. 11/12.
 
     Rows are shifted by their largest active logit, which leaves the normalised weights (Eq. 11/12)
     unchanged and cannot overflow. When every logit is known to lie in [bound - 60, bound] the shift is
@@ -43,7 +44,8 @@ def _set_weights(active: Tensor, logits: Tensor, bound: float | None) -> tuple[T
     # Active entries are <= 0 after the shift; clamping the others at 0 keeps exp finite so the mask zeroes
     # them (inf * 0 would be NaN).
     w = logits.clamp_(min=_MIN_EXPONENT, max=0.0).exp_().mul_(active)
-    return w, w.sum(dim=1, keepdim=True)
+    total = w.sum(dim=1, keepdim=True)
+    return w, torch.where(total > 0, 1.0 / torch.where(total > 0, total, 1.0), 0.0)
 
 
 class _RankedListKernel:
@@ -63,8 +65,7 @@ class _RankedListKernel:
         # Tn (alpha - d) lies in [min(Tn alpha, 0), max(Tn alpha, 0)] on N*, so its upper end is a safe shift
         # whenever that interval is narrow enough for exp; otherwise take the exact masked row maximum.
         bound = max(self.tn * alpha, 0.0) if abs(self.tn * alpha) <= 60.0 else None
-        w_neg, z_neg = _set_weights(neg_star, violation * self.tn, bound)
-        inv_z_neg = torch.where(z_neg > 0, 1.0 / torch.where(z_neg > 0, z_neg, 1.0), 0.0)
+        w_neg, inv_z_neg = _set_weights(neg_star, violation * self.tn, bound)
         loss_neg = (w_neg * violation).sum(1, keepdim=True).mul_(inv_z_neg).squeeze(1)  # Eq. 12
         # Positives (sparse): P* = {same label, not the query, d > alpha - margin}, weights of Eq. 10.
         rows = torch.arange(dist.shape[0], device=dist.device)
@@ -72,8 +73,7 @@ class _RankedListKernel:
         pos_dist = torch.gather(dist, 1, pos_cols)
         pos_star = pos_real & (pos_dist > boundary)
         stretch = pos_dist - boundary
-        w_pos, z_pos = _set_weights(pos_star, stretch * self.tp, None)
-        inv_z_pos = torch.where(z_pos > 0, 1.0 / torch.where(z_pos > 0, z_pos, 1.0), 0.0)
+        w_pos, inv_z_pos = _set_weights(pos_star, stretch * self.tp, None)
         loss_pos = (w_pos * stretch).sum(1) * inv_z_pos.squeeze(1)  # Eq. 11
         terms = (1.0 - lam) * loss_pos + lam * loss_neg  # Eq. 13
         valid = pos_star.any(1) | neg_star.any(1)
