@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dmltrain.config import ConfigError, flatten, load_config, to_yaml
+from dmltrain.service.config import ConfigError, flatten, load_config, to_yaml
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
 PAPER_SETUPS = {
@@ -121,7 +121,7 @@ def test_launch_resolves_only_relative_local_paths(
     tmp_path: Path, root: str, storage: str, expected_root: str, expected_storage: str
 ) -> None:
     """Ray workers run in another directory: relative paths become absolute, URLs stay as written."""
-    from dmltrain.run import resolve_paths
+    from dmltrain.service.run import resolve_paths
 
     config = load_config(
         CONFIGS[0].parent / "quickstart.yaml", [f"data.root={root}", f"run.storage_path={storage}"]

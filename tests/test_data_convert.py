@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dmltrain.cli import main as cli_main
 from dmltrain.data import ensure_glyphs, load_dataset_info, prepare
-from dmltrain.data.glyphs import base_character, faithful_codepoints, font_files, scan_glyphs
+from dmltrain.data.datasets.glyphs import base_character, faithful_codepoints, font_files, scan_glyphs
 from dmltrain.data.shards import read_shard
+from dmltrain.service.cli import main as cli_main
 
 
 def write_image(path: Path, seed: int, fmt: str = "JPEG", size: int = 12) -> None:
@@ -271,7 +271,7 @@ def test_cli_prepare(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert cli_main(["prepare", "sop", str(tmp_path / "nothing"), str(tmp_path / "o2"), "--quiet"]) == 2
     assert "Ebay_train.txt" in capsys.readouterr().err
     done = subprocess.run(
-        [sys.executable, "-m", "dmltrain.cli", "prepare", "--help"],
+        [sys.executable, "-m", "dmltrain.service.cli", "prepare", "--help"],
         capture_output=True,
         text=True,
         check=True,

@@ -29,7 +29,7 @@ import jsonschema
 import pytest
 import yaml
 
-from dmltrain.config import ConfigError, load_config
+from dmltrain.service.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"

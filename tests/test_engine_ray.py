@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from test_engine import (
     LOSSES,
@@ -16,6 +17,8 @@ from test_engine import (
     preprocess,
     reference_step,
 )
+
+pytestmark = pytest.mark.service
 
 SIZES = [7, 11]
 CHUNK = 4

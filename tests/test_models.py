@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmltrain.builders import build_optimizer, lr_factor
-from dmltrain.config import OptimConfig
 from dmltrain.models import build_model, normalize_images
+from dmltrain.service.builders import build_optimizer, lr_factor
+from dmltrain.service.config import OptimConfig
 
 
 @pytest.mark.parametrize("backbone", ["resnet18", "mobilenet_v2", "googlenet"])

@@ -17,10 +17,13 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 
-from dmltrain.config import ExperimentConfig, load_config
-from dmltrain.run import launch
+from dmltrain.service.config import ExperimentConfig, load_config
+from dmltrain.service.run import launch
+
+pytestmark = pytest.mark.service
 
 REPO = Path(__file__).parents[1]
 

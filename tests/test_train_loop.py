@@ -15,9 +15,9 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from dmltrain.config import ExperimentConfig, flatten, load_config, to_yaml
-from dmltrain.tracking import start_or_resume_run
-from dmltrain.train import NonFiniteLossError, WorkerLoop
+from dmltrain.service.config import ExperimentConfig, flatten, load_config, to_yaml
+from dmltrain.service.tracking import start_or_resume_run
+from dmltrain.service.train import NonFiniteLossError, WorkerLoop
 
 REPO = Path(__file__).parents[1]
 

@@ -8,7 +8,7 @@ Public entry points (import from here):
 - `train_transform(...)`, `test_transform(...)`, `SamplerSpec(...)`, `prepare(...)`.
 """
 
-from dmltrain.data.glyphs import ensure_glyphs
+from dmltrain.data.embedded import ensure_glyphs
 from dmltrain.data.loader import EvalLoader, TrainLoader
 from dmltrain.data.metadata import DatasetInfo, Evaluation, load_dataset_info
 from dmltrain.data.prepare import prepare

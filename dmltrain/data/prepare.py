@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from dmltrain.data.datasets import scan_source
 from dmltrain.data.datasets.base import SourceDataset, SourceItem, natural_key
+from dmltrain.data.datasets.glyphs import glyphs_source_desc
 from dmltrain.data.images import ImageError, checked_image
 from dmltrain.data.metadata import (
     METADATA_NAME,
@@ -430,14 +432,10 @@ def prepare(
     `options` are format specific: test_fraction/seed (folder, csv, glyphs), image_root (csv),
     split_dir (inaturalist), min_faces/image_size/max_classes (glyphs).
     """
-    from dmltrain.data.datasets import scan_source
-
     if fmt in ("folder", "csv", "glyphs"):
         options.setdefault("seed", seed)  # the same seed picks held-out classes
     desc = source if fmt == "glyphs" or "://" in source else str(Path(source).expanduser().resolve())
     if fmt == "glyphs":
-        from dmltrain.data.glyphs import glyphs_source_desc
-
         desc = glyphs_source_desc(
             **{k: v for k, v in options.items() if v is not None}, shard_size=shard_size
         )

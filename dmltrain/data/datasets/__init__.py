@@ -31,11 +31,11 @@ def _scanners() -> dict[str, Any]:
     from dmltrain.data.datasets.csv_list import scan_csv
     from dmltrain.data.datasets.cub import scan_cub
     from dmltrain.data.datasets.folder import scan_folder
+    from dmltrain.data.datasets.glyphs import scan_glyphs
     from dmltrain.data.datasets.inaturalist import scan_inaturalist
     from dmltrain.data.datasets.inshop import scan_inshop
     from dmltrain.data.datasets.sop import scan_sop
     from dmltrain.data.datasets.vehicleid import scan_vehicleid
-    from dmltrain.data.glyphs import scan_glyphs
 
     return {
         "folder": (scan_folder, ("test_fraction", "seed")),

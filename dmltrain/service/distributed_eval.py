@@ -22,8 +22,8 @@ from dmltrain.evaluation import nearest_neighbors, retrieval_metrics
 from dmltrain.models import normalize_images
 
 if TYPE_CHECKING:
-    from dmltrain.config import ExperimentConfig
-    from dmltrain.tracking import RunLogger
+    from dmltrain.service.config import ExperimentConfig
+    from dmltrain.service.tracking import RunLogger
 
 THUMBNAIL_SIZE = 48
 

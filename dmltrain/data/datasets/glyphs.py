@@ -149,34 +149,3 @@ def glyphs_source_desc(**options: object) -> str:
     """What `dataset.json` records as the source, so `ensure_glyphs` can tell a matching build cheaply."""
     described = ",".join(f"{k}={options[k]}" for k in sorted(options))
     return f"glyphs:{described},matplotlib={matplotlib.__version__}"
-
-
-def ensure_glyphs(
-    out_dir: str | Path,
-    *,
-    min_faces: int = DEFAULT_MIN_FACES,
-    image_size: int = DEFAULT_IMAGE_SIZE,
-    test_fraction: float = 0.5,
-    seed: int = 0,
-    shard_size: int | None = None,
-    progress: bool = False,
-) -> Path:
-    """Build the glyph shards into `out_dir` unless an identical build is there; returns `out_dir`.
-
-    Safe to call from several processes at once: the build runs under a file lock and the second caller
-    finds the finished `dataset.json`.
-    """
-    from dmltrain.data.prepare import prepare_dataset
-
-    options = {"min_faces": min_faces, "image_size": image_size, "test_fraction": test_fraction, "seed": seed}
-    desc = glyphs_source_desc(**options, shard_size=shard_size)
-    prepare_dataset(
-        lambda: scan_glyphs(**options),
-        out_dir,
-        source_format="glyphs",
-        source_desc=desc,
-        shard_size=shard_size,
-        progress=progress,
-        reuse_if=lambda info: info.source_format == "glyphs" and info.source == desc,
-    )
-    return Path(out_dir)

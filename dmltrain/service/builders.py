@@ -9,15 +9,15 @@ import math
 
 import torch
 
-from dmltrain.config import (
+from dmltrain.losses import FastAPLoss, RankedListLoss, RankingLoss, SmoothAPLoss, TnSchedule, TripletLoss
+from dmltrain.models import EmbeddingNet, parameter_groups
+from dmltrain.service.config import (
     FastAPConfig,
     LossConfig,
     OptimConfig,
     RankedListConfig,
     SmoothAPConfig,
 )
-from dmltrain.losses import FastAPLoss, RankedListLoss, RankingLoss, SmoothAPLoss, TnSchedule, TripletLoss
-from dmltrain.models import EmbeddingNet, parameter_groups
 
 
 def build_optimizer(model: EmbeddingNet, cfg: OptimConfig) -> torch.optim.Optimizer:

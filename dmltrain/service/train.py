@@ -19,23 +19,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmltrain.builders import build_loss, build_optimizer, build_scheduler, build_tn_schedule
-from dmltrain.checkpoints import (
+from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
+from dmltrain.distributed import all_gather_objects
+from dmltrain.engine import default_autocast_dtype, global_batch_step
+from dmltrain.models import EmbeddingNet, build_model, normalize_images
+from dmltrain.service.builders import build_loss, build_optimizer, build_scheduler, build_tn_schedule
+from dmltrain.service.checkpoints import (
     TrainingState,
     load_state,
     load_stream_state,
     save_state,
     save_stream_state,
 )
-from dmltrain.config import ExperimentConfig
-from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
-from dmltrain.distributed import all_gather_objects
-from dmltrain.distributed_eval import evaluate
-from dmltrain.engine import default_autocast_dtype, global_batch_step
-from dmltrain.models import EmbeddingNet, build_model, normalize_images
-from dmltrain.tracking import RunLogger
+from dmltrain.service.config import ExperimentConfig
+from dmltrain.service.distributed_eval import evaluate
+from dmltrain.service.tracking import RunLogger
 
-log = logging.getLogger("dmltrain.train")
+log = logging.getLogger("dmltrain.service.train")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -381,7 +381,7 @@ class _RayContext:
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Entry point Ray Train runs on every worker (see dmltrain.run.launch)."""
+    """Entry point Ray Train runs on every worker (see dmltrain.service.run.launch)."""
     import ray.train
     import ray.train.torch
 

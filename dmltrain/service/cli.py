@@ -1,4 +1,4 @@
-"""`dmltrain` console script (also `python -m dmltrain.cli`).
+"""`dmltrain` console script (also `python -m dmltrain.service.cli`).
 
 Each subcommand is a (register, run) pair in `COMMANDS`, so `train` / `evaluate` slot in beside `prepare`
 without touching the others.
@@ -52,7 +52,7 @@ def _run_prepare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dmltrain.data.datasets import SourceLayoutError
-    from dmltrain.data.glyphs import DEFAULT_IMAGE_SIZE, DEFAULT_MIN_FACES
+    from dmltrain.data.datasets.glyphs import DEFAULT_IMAGE_SIZE, DEFAULT_MIN_FACES
     from dmltrain.data.prepare import prepare
 
     options: dict[str, object] = {"test_fraction": args.test_fraction}
@@ -99,7 +99,7 @@ def _register_train(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from dmltrain.run import main as run_main
+    from dmltrain.service.run import main as run_main
 
     return run_main([args.config, *args.overrides])
 
@@ -118,7 +118,7 @@ def _register_evaluate(parser: argparse.ArgumentParser) -> None:
 def _run_evaluate(args: argparse.Namespace) -> int:
     import json
 
-    from dmltrain.evaluate_model import evaluate_saved_model
+    from dmltrain.service.evaluate_model import evaluate_saved_model
 
     try:
         metrics = evaluate_saved_model(args.model, args.data_root, args.batch_size, args.max_images)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from dmltrain.config import ExperimentConfig
 from dmltrain.data import load_dataset_info
-from dmltrain.distributed_eval import evaluate
 from dmltrain.models import build_model
+from dmltrain.service.config import ExperimentConfig
+from dmltrain.service.distributed_eval import evaluate
 
 
 def evaluate_saved_model(

@@ -1,0 +1,91 @@
+"""Architecture checks: the library imports neither Ray nor MLflow; no module imports itself in a circle."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dmltrain"
+LIBRARY = [
+    "dmltrain.losses",
+    "dmltrain.engine",
+    "dmltrain.data",
+    "dmltrain.models",
+    "dmltrain.evaluation",
+    "dmltrain.plots",
+    "dmltrain.distributed",
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """Every dmltrain module `path` imports, at any depth of the file (lazy imports count: a cycle through
+    a function-level import is still a cycle in the design)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            if name in known:
+                found.add(name)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: _imports(path, set(files)) - {name} for name, path in files.items()}
+    # A package's __init__ re-exporting its submodules is not a cycle of design: drop child -> parent edges
+    # that only exist because `from pkg.sub import x` names the parent package.
+    for name, deps in graph.items():
+        graph[name] = {d for d in deps if not (name.startswith(d + ".") and files[d].name == "__init__.py")}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append([*stack[stack.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep, stack)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_library_imports_neither_ray_nor_mlflow() -> None:
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in LIBRARY)
+        + "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'mlflow'))\n"
+        + "assert not bad, bad\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_library_does_not_import_the_service() -> None:
+    for path in PACKAGE.rglob("*.py"):
+        name = _module_name(path)
+        if name.startswith("dmltrain.service") or name in ("dmltrain.run",):
+            continue
+        service = {
+            m
+            for m in _imports(path, {_module_name(p) for p in PACKAGE.rglob("*.py")})
+            if m.startswith("dmltrain.service")
+        }
+        assert not service, f"{name} imports the service: {sorted(service)}"
