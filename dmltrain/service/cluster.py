@@ -127,6 +127,8 @@ def decide_topology(setting: str, view: ClusterView) -> Topology:
 
 
 def _tracking_problem(uri: str) -> str | None:
+    if uri.split(":", 1)[0].lower() in {"databricks", "databricks-uc"}:  # MLflow's hosted stores
+        return None
     parsed = urlparse(uri)
     scheme = parsed.scheme.lower()
     if scheme in _FILE_SCHEMES or len(scheme) == 1:  # one letter: a Windows drive
