@@ -1,10 +1,18 @@
 """``python -m dmltrain.run CONFIG [key.sub=value ...]``: validate, prepare, and run one experiment on Ray.
 
-The driver does everything that must happen once and before any worker starts: it validates the config
-(a typo fails here, before Ray is contacted), resolves relative paths against the launch directory (Ray
-workers run elsewhere), builds the embedded data set on first use, finds or creates the MLflow run, and
-then hands the loop to ``ray.train.torch.TorchTrainer``. Relaunching the same config resumes both the Ray
-run (same ``run.name`` and ``run.storage_path``) and the MLflow run.
+The driver does everything that must happen once and before any worker starts, so that a mistake costs
+seconds and one line instead of a worker group failing (and being retried) on every rank:
+
+1. the config and the model (dmltrain.service.preflight): a typo fails before Ray is contacted;
+2. the cluster (dmltrain.service.cluster): joins the cluster in RAY_ADDRESS (which ``ray job submit`` sets)
+   and, when the run spans several machines, refuses a file-based tracking store and paths other nodes
+   cannot see;
+3. the data: relative paths are made absolute, the embedded set is built on first use, ``dataset.json``
+   and the sampler's plan for every rank are checked, shared paths are probed on the other nodes;
+4. the relaunch policy (dmltrain.service.resume, ``run.resume``) against the MLflow run of the same
+   ``run.name`` and ``run.storage_path``;
+5. only then the MLflow run is created or continued and ``ray.train.torch.TorchTrainer`` runs; its status
+   follows the driver (FINISHED, FAILED, KILLED on SIGTERM/SIGINT).
 """
 
 from __future__ import annotations
@@ -311,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         outcome = launch(load_config(args.config, args.overrides))
     except (ConfigError, FatalRunError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        for line in str(error).splitlines():  # one line per problem; indented lines continue the one above
+            print(line if line.startswith(" ") else f"error: {line}", file=sys.stderr)
         return 2
     except _Terminated as stop:
         print(f"stopped: {stop}; the MLflow run is marked KILLED and a relaunch resumes it", file=sys.stderr)
