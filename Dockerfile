@@ -11,8 +11,8 @@
 FROM pytorch/pytorch:2.14.1-cuda12.6-cudnn9-runtime
 
 # Ray must be the same version on every node and should match the Ray that submits jobs; the cluster
-# manifests (rayVersion) and tests/test_deployment.py check this pin. torch/torchvision are pinned to the
-# base image's build so that resolving dmltrain's ranges can never replace them.
+# manifests (rayVersion) and tests/test_deployment.py check this pin. torch/torchvision are the base image's
+# build. All three must agree with cluster/image-constraints.txt (the build checks it).
 ARG RAY_VERSION=2.60.0
 ARG TORCH_VERSION=2.14.1
 ARG TORCHVISION_VERSION=0.29.1
@@ -47,17 +47,21 @@ RUN set -eux; \
 
 # Install dmltrain (not editable: the image is a release) with the gpu extra (faiss-gpu instead of
 # faiss-cpu) and the s3 extra (s3fs, so data.root can be s3://), plus boto3, which the `ray up` head's
-# autoscaler launches EC2 workers with. One resolve, with the pins above as constraints, keeps boto3 on
-# the botocore that s3fs's aiobotocore pins. Ray writes s3:// checkpoints itself.
+# autoscaler launches EC2 workers with. Every package pip resolves is pinned by cluster/image-constraints.txt
+# (generated from the environment the tests passed in: cluster/update_image_constraints.py), so a rebuild
+# installs the same versions, the MLflow client equals the server's version (kubernetes/mlflow.yaml) and
+# boto3 stays on the botocore that s3fs's aiobotocore pins. Ray writes s3:// checkpoints itself.
 COPY pyproject.toml README.md /tmp/dmltrain-src/
 COPY dmltrain /tmp/dmltrain-src/dmltrain
+COPY cluster/image-constraints.txt /tmp/image-constraints.txt
 RUN set -eux; \
-    printf 'ray==%s\ntorch==%s\ntorchvision==%s\n' "$RAY_VERSION" "$TORCH_VERSION" "$TORCHVISION_VERSION" \
-        > /tmp/constraints.txt; \
+    grep -qx "ray==${RAY_VERSION}" /tmp/image-constraints.txt; \
+    grep -qx "torch==${TORCH_VERSION}" /tmp/image-constraints.txt; \
+    grep -qx "torchvision==${TORCHVISION_VERSION}" /tmp/image-constraints.txt; \
     cd /tmp/dmltrain-src; \
-    python -m pip install --constraint /tmp/constraints.txt ".[gpu,s3]" boto3; \
+    python -m pip install --constraint /tmp/image-constraints.txt ".[gpu,s3]" boto3; \
     cd /; \
-    rm -rf /tmp/dmltrain-src /tmp/constraints.txt; \
+    rm -rf /tmp/dmltrain-src /tmp/image-constraints.txt; \
     ray --version; \
     python -c "import dmltrain"
 

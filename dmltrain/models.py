@@ -8,6 +8,7 @@ that parameter group easy to build.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -65,31 +66,57 @@ def _looks_like_file(weights: str) -> bool:
     return os.sep in weights or weights.endswith(suffixes) or Path(weights).exists()
 
 
+def _check_backbone_name(name: str) -> None:
+    if name not in torchvision.models.list_models(module=torchvision.models):
+        raise ValueError(
+            f"model.backbone={name!r} is not a torchvision classification model; try one of "
+            f"resnet18, resnet50, googlenet, mobilenet_v2, efficientnet_b0, convnext_tiny"
+        )
+
+
+def _named_weights(name: str, weights: str | None) -> torchvision.models.WeightsEnum | None:
+    """The torchvision weights enum a name like ``IMAGENET1K_V2`` means (no download); None for a file."""
+    if weights is None or _looks_like_file(weights):
+        return None
+    try:
+        return torchvision.models.get_model_weights(name)[weights.rsplit(".", 1)[-1]]
+    except KeyError:
+        options = [w.name for w in torchvision.models.get_model_weights(name)]
+        raise ValueError(f"model.weights={weights!r}: {name} offers {[*options, 'DEFAULT']}") from None
+
+
+def check_model(backbone: str, embedding_dim: int, weights: str | None = None) -> None:
+    """Raise the error :func:`build_model` would raise, without allocating or downloading anything.
+
+    The network is built on PyTorch's meta device (shapes only), named weights are looked up but not
+    fetched, and a weights file is opened memory-mapped and matched against the model's keys and shapes.
+    A launcher calls this before it starts workers, so a typo never reaches them.
+    """
+    _check_backbone_name(backbone)
+    _named_weights(backbone, weights)
+    with torch.device("meta"):
+        net = torchvision.models.get_model(backbone, weights=None, **_BACKBONE_KWARGS.get(backbone, {}))
+        model = EmbeddingNet(net, _strip_classifier(net, backbone), embedding_dim)
+    if weights is not None and _looks_like_file(weights):
+        with warnings.catch_warnings():  # copying into meta tensors is the intended no-op here
+            warnings.filterwarnings("ignore", message=".*meta parameter in the current model.*")
+            load_weights_file(model, weights, mmap=True)
+
+
 def build_backbone(name: str, weights: str | None) -> nn.Module:
     """Instantiate a torchvision classification model by name with optional named weights.
 
     Named weights (``IMAGENET1K_V2``, ``DEFAULT``, ``ResNet50_Weights.IMAGENET1K_V2``) download through
     torchvision's cache on first use; a local file is loaded by :func:`build_model` after construction.
     """
-    available = torchvision.models.list_models(module=torchvision.models)
-    if name not in available:
-        raise ValueError(
-            f"model.backbone={name!r} is not a torchvision classification model; try one of "
-            f"resnet18, resnet50, googlenet, mobilenet_v2, efficientnet_b0, convnext_tiny"
-        )
-    named = None
-    if weights is not None and not _looks_like_file(weights):
-        try:
-            named = torchvision.models.get_model_weights(name)[weights.rsplit(".", 1)[-1]]
-        except KeyError:
-            options = [w.name for w in torchvision.models.get_model_weights(name)]
-            raise ValueError(f"model.weights={weights!r}: {name} offers {[*options, 'DEFAULT']}") from None
+    _check_backbone_name(name)
+    named = _named_weights(name, weights)
     # With named weights torchvision drops the auxiliary heads itself and refuses our overrides.
     kwargs = _BACKBONE_KWARGS.get(name, {}) if named is None else {}
     return torchvision.models.get_model(name, weights=named, **kwargs)
 
 
-def load_weights_file(model: nn.Module, path: str) -> None:
+def load_weights_file(model: nn.Module, path: str, mmap: bool = False) -> None:
     """Load a local state dict into the whole model or, failing that, into its backbone.
 
     Accepts a dmltrain checkpoint (``{"model": state_dict}``), a full EmbeddingNet state dict, or a plain
@@ -98,11 +125,19 @@ def load_weights_file(model: nn.Module, path: str) -> None:
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"model.weights: file not found: {file}")
-    state = torch.load(file, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:  # pickled objects (refused by weights_only), a truncated or foreign file
+        raise ValueError(
+            f"model.weights={path}: not a loadable state dict ({type(exc).__name__}: {exc})"
+        ) from exc
     if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
         state = state["model"]
     if any(key.startswith("backbone.") for key in state):
-        model.load_state_dict(state)
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as exc:  # missing/unexpected keys or shapes from another embedding size
+            raise ValueError(f"model.weights={path}: does not fit this model: {exc}") from exc
         return
     assert isinstance(model, EmbeddingNet)
     own = model.backbone.state_dict()

@@ -134,12 +134,16 @@ def test_triplet_batches(shards: Path) -> None:
             assert q == p != n
 
 
-@pytest.mark.parametrize("name,workers", [("pk", 2), ("hard", 0), ("triplet", 0)])
-def test_resume_continues_the_stream_exactly(shards: Path, name: str, workers: int) -> None:
+@pytest.mark.parametrize(
+    "name,workers", [("pk", 2), ("hard", 0), ("triplet", 0), ("vehicleid", 0), ("random", 0)]
+)
+def test_resume_continues_the_stream_exactly(shards: Path, tmp_path: Path, name: str, workers: int) -> None:
     batch = 15 if name == "triplet" else 16
     first = loader(shards, name, workers=workers, batch=batch)
     run(first, 7)
-    state = first.state_dict()
+    # Through a file as checkpoints keep it, read back with weights_only=True (plain data only).
+    torch.save(first.state_dict(), tmp_path / "stream.pt")
+    state = torch.load(tmp_path / "stream.pt", weights_only=True)
     expected = run(first, 6)
     resumed = loader(shards, name, workers=workers, batch=batch)
     resumed.load_state_dict(state)

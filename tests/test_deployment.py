@@ -297,6 +297,8 @@ API_VERSIONS = {
     "Deployment": "apps/v1",
     "RayCluster": "ray.io/v1",
     "RayJob": "ray.io/v1",
+    "Job": "batch/v1",
+    "NetworkPolicy": "networking.k8s.io/v1",
 }
 
 

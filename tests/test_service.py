@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
-from dmltrain.service.config import ExperimentConfig, load_config
+from dmltrain.service.config import ConfigError, ExperimentConfig, load_config
 from dmltrain.service.run import launch
 
 pytestmark = pytest.mark.service
@@ -98,15 +99,54 @@ def test_run_logs_then_resumes_into_the_same_mlflow_run(
     assert {"plots/recall_at_k/step_0000006.png", "plots/retrievals/step_0000006.png"} <= files
     assert run.data.tags["dmltrain.checkpoint_step"] == "6"
 
+    # The same launch again: the run is finished at train.steps, so nothing trains and nothing changes.
+    same = launch(config)
+    assert same.resumed and same.mlflow_run_id == outcome.mlflow_run_id
+    assert same.metrics["eval/test/recall_at_1"] == run.data.metrics["eval/test/recall_at_1"]
+    # A changed recipe is refused before anything starts (run.resume=auto), as is any relaunch with never.
+    lr = config.model_copy(update={"optim": config.optim.model_copy(update={"lr": 1e-4})})
+    with pytest.raises(ConfigError, match=r"optim\.lr: 0\.001 -> 0\.0001.*run\.resume=must"):
+        launch(lr)
+    never = config.model_copy(update={"run": config.run.model_copy(update={"resume": "never"})})
+    with pytest.raises(ConfigError, match=r"run\.resume=never: .* already exists .*new run\.name"):
+        launch(never)
+    assert client.get_run(outcome.mlflow_run_id).info.status == "FINISHED"
+
     # Relaunch with more steps: Ray restores the last checkpoint, MLflow continues the same run.
     more = config.model_copy(update={"train": config.train.model_copy(update={"steps": 9})})
     again = launch(more)
     assert again.resumed and again.mlflow_run_id == outcome.mlflow_run_id
-    relaunches = [f for f in _artifacts(client, outcome.mlflow_run_id) if f.startswith("config_relaunch_")]
-    assert len(relaunches) == 1
     assert _history(client, outcome.mlflow_run_id, "train/loss") == [2, 4, 6, 8, 9]
     assert _history(client, outcome.mlflow_run_id, "eval/test/recall_at_1") == [0, 3, 6, 9]
-    assert client.get_run(outcome.mlflow_run_id).data.tags["dmltrain.checkpoint_step"] == "9"
+    tags = client.get_run(outcome.mlflow_run_id).data.tags
+    assert tags["dmltrain.checkpoint_step"] == "9"
+    assert tags["dmltrain.segments"] == "1@0; 2@6 (train.steps: 6 -> 9)"
+
+    # On purpose: a new learning rate for one more step, recorded as segment 3 of the same run.
+    onward = more.model_copy(
+        update={
+            "optim": more.optim.model_copy(update={"lr": 1e-4}),
+            "train": more.train.model_copy(update={"steps": 10}),
+            "run": more.run.model_copy(update={"resume": "must"}),
+        }
+    )
+    last = launch(onward)
+    assert last.mlflow_run_id == outcome.mlflow_run_id
+    final = client.get_run(outcome.mlflow_run_id)
+    assert final.info.status == "FINISHED" and final.data.tags["dmltrain.segment"] == "3"
+    assert _history(client, outcome.mlflow_run_id, "train/loss") == [2, 4, 6, 8, 9, 10]
+    segments = {m.step: m.value for m in client.get_metric_history(outcome.mlflow_run_id, "run/segment")}
+    assert segments == {0: 1.0, 6: 2.0, 9: 3.0}
+    files = _artifacts(client, outcome.mlflow_run_id)
+    assert {f"segments/segment_0{n}.yaml" for n in (1, 2, 3)} <= files
+    record = yaml.safe_load(
+        Path(
+            client.download_artifacts(outcome.mlflow_run_id, "segments/segment_03.yaml", str(tmp_path))
+        ).read_text()
+    )
+    assert record["start_step"] == 9 and record["resume"] == "must"
+    assert record["changed"]["optim.lr"] == {"from": "0.001", "to": "0.0001"}
+    assert record["config"]["optim"]["lr"] == 1e-4
 
 
 def _train_worker_pids() -> list[int]:
@@ -152,6 +192,85 @@ def test_killed_worker_is_replaced_and_no_step_is_logged_twice(
     steps = _history(client, outcome.mlflow_run_id, "train/loss")
     assert steps == list(range(1, 25)), steps  # every step exactly once despite the restart
     assert client.get_run(outcome.mlflow_run_id).info.status == "FINISHED"
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_sigterm_marks_the_run_killed_and_a_relaunch_resumes_it(
+    ray_cluster, glyphs_root: Path, tmp_path: Path
+) -> None:
+    """The real driver (`python -m dmltrain.run`) on this session's cluster, stopped as `ray job stop` or
+    Kubernetes stop it; the relaunch continues the same MLflow run from the last checkpoint."""
+    overrides = [
+        f"data.root={glyphs_root}",
+        "data.prepare=null",
+        "run.name=stopped",
+        f"run.storage_path={tmp_path / 'ray_results'}",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        "train.steps=400",
+        "train.global_batch_size=32",
+        "train.chunk_size=16",
+        "train.log_every=1",
+        "train.checkpoint_every=2",
+        "train.eval_every=400",
+        "train.eval_at_start=false",
+        "eval.max_images=400",
+        "eval.grid_queries=0",
+        # The driver joins this session's cluster through RAY_ADDRESS, i.e. an existing cluster, which
+        # counts as multi-node unless declared to be one machine.
+        "scaling.topology=single-node",
+    ]
+    address = ray_cluster.get_runtime_context().gcs_address
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "dmltrain.run", "configs/quickstart.yaml", *overrides],
+        cwd=REPO,
+        env={**os.environ, "RAY_ADDRESS": address},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+    def checkpointed() -> bool:
+        if driver.poll() is not None:
+            raise AssertionError(f"driver exited early:\n{driver.stdout.read()[-4000:]}")
+        experiment = (
+            client.get_experiment_by_name("dmltrain-quickstart")
+            if (tmp_path / "mlflow.db").exists()
+            else None
+        )
+        runs = client.search_runs([experiment.experiment_id]) if experiment else []
+        return bool(runs) and "dmltrain.checkpoint_step" in runs[0].data.tags
+
+    try:
+        _wait_for(checkpointed, 300, "the first checkpoint")
+        driver.send_signal(signal.SIGTERM)
+        output, _ = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 128 + signal.SIGTERM, output[-4000:]
+    assert "marked KILLED" in output
+    (run,) = client.search_runs([client.get_experiment_by_name("dmltrain-quickstart").experiment_id])
+    assert run.info.status == "KILLED"
+    step = int(client.get_run(run.info.run_id).data.tags["dmltrain.checkpoint_step"])
+
+    # Relaunch in this process with the length cut to two steps past the checkpoint (a cadence change).
+    config = load_config(
+        REPO / "configs" / "quickstart.yaml", [*overrides[:5], *overrides[6:], f"train.steps={step + 2}"]
+    )
+    outcome = launch(config)
+    assert outcome.resumed and outcome.mlflow_run_id == run.info.run_id
+    resumed = client.get_run(run.info.run_id)
+    assert resumed.info.status == "FINISHED"
+    assert resumed.data.tags["dmltrain.segments"] == f"1@0; 2@{step} (train.steps: 400 -> {step + 2})"
+    steps = _history(client, run.info.run_id, "train/loss")
+    assert steps == list(range(1, step + 3)), steps  # nothing lost, nothing logged twice
 
 
 def _free_port() -> int:
@@ -224,6 +343,9 @@ def test_ray_job_submit_runs_the_module(glyphs_root: Path, tmp_path: Path) -> No
             "train.eval_every=2",
             "eval.max_images=400",
             "eval.grid_queries=0",
+            # A submitted job joins an existing cluster, which dmltrain treats as multi-node (no sqlite);
+            # this head is one machine, so say so.
+            "scaling.topology=single-node",
         ]
         job_id = f"dmltrain-test-{os.getpid()}"
         submitted = None

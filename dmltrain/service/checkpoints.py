@@ -34,6 +34,30 @@ class TrainingState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def count_ray_checkpoints(storage_path: str, name: str) -> int | None:
+    """How many checkpoints Ray Train keeps for run ``name`` under ``storage_path`` (a local path or any
+    URI pyarrow opens, e.g. s3://); None when the storage cannot be listed."""
+    import pyarrow.fs
+
+    from dmltrain.data.urls import is_local, local_path
+
+    try:
+        if is_local(storage_path):
+            filesystem, root = pyarrow.fs.LocalFileSystem(), local_path(storage_path)
+        else:
+            filesystem, root = pyarrow.fs.FileSystem.from_uri(storage_path)
+        found = filesystem.get_file_info(
+            pyarrow.fs.FileSelector(f"{root.rstrip('/')}/{name}", allow_not_found=True)
+        )
+    except Exception:  # no credentials, unknown scheme, network: the caller falls back to MLflow's record
+        return None
+    return sum(
+        1
+        for info in found
+        if info.type == pyarrow.fs.FileType.Directory and info.base_name.startswith("checkpoint_")
+    )
+
+
 def save_state(directory: str | os.PathLike[str], state: TrainingState) -> Path:
     path = Path(directory) / STATE_FILE
     torch.save(state.__dict__, path)
@@ -44,7 +68,7 @@ def load_state(directory: str | os.PathLike[str]) -> TrainingState:
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {directory} has no {STATE_FILE}")
-    return TrainingState(**torch.load(path, map_location="cpu", weights_only=False))
+    return TrainingState(**torch.load(path, map_location="cpu", weights_only=True))
 
 
 def save_stream_state(directory: str | os.PathLike[str], rank: int, state: dict[str, Any]) -> None:
@@ -53,4 +77,4 @@ def save_stream_state(directory: str | os.PathLike[str], rank: int, state: dict[
 
 def load_stream_state(directory: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
     path = Path(directory) / sampler_file(rank)
-    return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
+    return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None

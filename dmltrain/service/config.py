@@ -151,9 +151,17 @@ class EvalConfig(_Section):
 
 class ScalingConfigSection(_Section):
     num_workers: int = Field(default=2, ge=1)
-    use_gpu: bool | Literal["auto"] = "auto"
+    use_gpu: bool | Literal["auto"] = Field(
+        default="auto",
+        description="auto: GPUs if the cluster has some when the run is submitted (GPU configs say true).",
+    )
     cpus_per_worker: float = Field(default=1.0, gt=0)
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads per worker.")
+    topology: Literal["auto", "single-node", "multi-node"] = Field(
+        default="auto",
+        description="auto: multi-node when Ray reports several nodes or the driver joined an existing "
+        "cluster; multi-node requires shared storage and a tracking server (dmltrain.service.cluster).",
+    )
 
 
 class RunSection(_Section):
@@ -161,6 +169,11 @@ class RunSection(_Section):
     storage_path: str = Field(default="./ray_results", description="Shared storage for Ray checkpoints.")
     max_failures: int = Field(default=3, ge=-1, description="Worker-group restarts from the last checkpoint.")
     keep_checkpoints: int = Field(default=2, ge=1)
+    resume: Literal["auto", "never", "must"] = Field(
+        default="auto",
+        description="Relaunch with an existing run.name: auto resumes only if nothing but length/cadence "
+        "settings changed; must resumes whatever changed; never refuses an existing run.",
+    )
 
 
 class MlflowSection(_Section):
@@ -195,6 +208,17 @@ class ExperimentConfig(_Section):
             raise ValueError("each worker's batch must hold at least sampler.samples_per_class images")
         if self.sampler.name == "hard" and self.train.global_batch_size % 2:
             raise ValueError("sampler.name=hard splits the global batch in two halves: make it even")
+        local = self.train.global_batch_size // workers
+        if self.sampler.name == "triplet" and local % 3:
+            raise ValueError(
+                f"sampler.name=triplet fills each worker's batch with whole triplets: "
+                f"train.global_batch_size={self.train.global_batch_size} / scaling.num_workers={workers} = "
+                f"{local} is not a multiple of 3"
+            )
+        if self.sampler.name == "pk" and self.sampler.samples_per_class < 2:
+            raise ValueError(
+                "sampler.samples_per_class must be >= 2 for sampler.name=pk (a class needs a pair)"
+            )
         return self
 
     @property
@@ -246,6 +270,9 @@ def _describe_errors(error: ValidationError, source: str) -> str:
             lines.append(f"  {key}: unknown key (typo?)")
         elif item["type"] == "missing":
             lines.append(f"  {key}: required key is missing")
+        elif item["type"] == "value_error":  # a cross-field check: its message names the keys itself
+            message = str(item["msg"]).removeprefix("Value error, ")
+            lines.append(f"  {key}: {message}" if key else f"  {message}")
         else:
             lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
     return "\n".join(lines)

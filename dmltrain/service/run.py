@@ -1,22 +1,58 @@
 """``python -m dmltrain.run CONFIG [key.sub=value ...]``: validate, prepare, and run one experiment on Ray.
 
-The driver does everything that must happen once and before any worker starts: it validates the config
-(a typo fails here, before Ray is contacted), resolves relative paths against the launch directory (Ray
-workers run elsewhere), builds the embedded data set on first use, finds or creates the MLflow run, and
-then hands the loop to ``ray.train.torch.TorchTrainer``. Relaunching the same config resumes both the Ray
-run (same ``run.name`` and ``run.storage_path``) and the MLflow run.
+The driver does everything that must happen once and before any worker starts, so that a mistake costs
+seconds and one line instead of a worker group failing (and being retried) on every rank:
+
+1. the config and the model (dmltrain.service.preflight): a typo fails before Ray is contacted;
+2. the cluster (dmltrain.service.cluster): joins the cluster in RAY_ADDRESS (which ``ray job submit`` sets)
+   and, when the run spans several machines, refuses a file-based tracking store and paths other nodes
+   cannot see;
+3. the data: relative paths are made absolute, the embedded set is built on first use, ``dataset.json``
+   and the sampler's plan for every rank are checked, shared paths are probed on the other nodes;
+4. the relaunch policy (dmltrain.service.resume, ``run.resume``) against the MLflow run of the same
+   ``run.name`` and ``run.storage_path``;
+5. only then the MLflow run is created or continued and ``ray.train.torch.TorchTrainer`` runs; its status
+   follows the driver (FINISHED, FAILED, KILLED on SIGTERM/SIGINT).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from dmltrain.service.config import ConfigError, ExperimentConfig, flatten, load_config, to_yaml
+from dmltrain.data import DatasetInfo
+from dmltrain.service.checkpoints import count_ray_checkpoints
+from dmltrain.service.cluster import (
+    ClusterView,
+    check_shared_paths,
+    decide_topology,
+    joins_existing_cluster,
+    resolve_use_gpu,
+    storage_problems,
+)
+from dmltrain.service.config import ConfigError, ExperimentConfig, flatten, load_config
+from dmltrain.service.errors import FatalRunError, fatal_cause
+from dmltrain.service.preflight import check_config, check_data, load_data
+from dmltrain.service.resume import plan_launch
+from dmltrain.service.tracking import (
+    Segment,
+    continue_run,
+    create_run,
+    find_run,
+    metric_name,
+    resolve_tracking_uri,
+    run_key,
+    set_run_status,
+)
 
 log = logging.getLogger("dmltrain.service.run")
 
@@ -26,7 +62,7 @@ _RAY_ENV_DEFAULTS = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_ENABLE_V2_MIGRAT
 
 @dataclass(frozen=True)
 class RunOutcome:
-    """What a finished launch reports back to the caller (CLI, tests)."""
+    """What a finished launch reports back to the caller (CLI, tests); metrics under their MLflow names."""
 
     mlflow_run_id: str
     tracking_uri: str
@@ -58,20 +94,11 @@ def resolve_paths(config: ExperimentConfig, base: Path | None = None) -> Experim
     return ExperimentConfig.model_validate(data)
 
 
-def prepare_data(config: ExperimentConfig) -> None:
+def prepare_data(config: ExperimentConfig) -> DatasetInfo:
     """Build the embedded data set if asked, then check the shards' metadata before any worker starts."""
-    from dmltrain.data import ensure_glyphs, load_dataset_info
-
-    if config.data.prepare == "glyphs":
-        ensure_glyphs(config.data.root)
-    info = load_dataset_info(config.data.root)
-    if config.data.train_split not in info.splits:
-        raise ConfigError(
-            f"data.train_split: split {config.data.train_split!r} is not in {config.data.root}/dataset.json "
-            f"(it has {sorted(info.splits)})"
-        )
-    if not info.evaluations:
-        raise ConfigError(f"{config.data.root}/dataset.json lists no evaluations to run")
+    info = load_data(config)
+    check_data(config, info)
+    return info
 
 
 def _connect_ray() -> None:
@@ -84,43 +111,166 @@ def _connect_ray() -> None:
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True)
 
 
-def _wants_gpu(config: ExperimentConfig) -> bool:
+def _cluster_view(connect: bool) -> ClusterView:
+    """The alive nodes; without ``connect`` (and no Ray yet) the local node Ray is about to start."""
     import ray
 
-    if config.scaling.use_gpu == "auto":
-        return ray.cluster_resources().get("GPU", 0) >= 1
-    return bool(config.scaling.use_gpu)
+    if connect:
+        _connect_ray()
+    if not ray.is_initialized():
+        return ClusterView((), attached=False)
+    return ClusterView.from_ray_nodes(
+        ray.nodes(), joins_existing_cluster(), ray.get_runtime_context().get_node_id()
+    )
+
+
+def check_cluster(config: ExperimentConfig, tracking_uri: str, tracking_is_default: bool) -> ClusterView:
+    """Connect to an existing cluster (or not yet, for a local one) and refuse settings that cannot work
+    on it: one line per setting (dmltrain.service.cluster). ``config`` is as written (paths unresolved)."""
+    import ray
+
+    view = _cluster_view(connect=joins_existing_cluster() or ray.is_initialized())
+    topology = decide_topology(config.scaling.topology, view)
+    problems = storage_problems(config, tracking_uri, tracking_is_default, topology)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    log.info("Ray cluster: %s (%s)", "multi-node" if topology.multi_node else "single node", topology.reason)
+    return view
+
+
+class _Terminated(BaseException):
+    """SIGTERM (``ray job stop``, Kubernetes) turned into an exception so the run is marked KILLED."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _fit(trainer: Any) -> Any:
+    """``trainer.fit()`` in a helper thread while this thread waits in short joins.
+
+    The main thread blocked inside Ray's ``ray.get`` does not run Python signal handlers, so SIGTERM from
+    ``ray job stop`` or Kubernetes would go unnoticed; waiting in ``join(timeout)`` lets the handler run.
+    (Ray Train only installs its own SIGINT handler on the main thread, so Ctrl-C lands here as well.)
+    """
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="dmltrain-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.5)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+@contextlib.contextmanager
+def _run_status(tracking_uri: str, run_id: str) -> Iterator[None]:
+    """MLflow status follows the driver: KILLED on SIGTERM/SIGINT, FAILED on an error; the caller sets
+    FINISHED. A relaunch sets the run RUNNING again."""
+
+    def on_sigterm(signum: int, _frame: object) -> None:
+        raise _Terminated(signum)
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    except (KeyboardInterrupt, _Terminated):
+        _set_status_quietly(tracking_uri, run_id, "KILLED")
+        raise
+    except BaseException:
+        _set_status_quietly(tracking_uri, run_id, "FAILED")
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _set_status_quietly(tracking_uri: str, run_id: str, status: str) -> None:
+    try:
+        set_run_status(tracking_uri, run_id, status)
+    except Exception as exc:  # the original error matters more than an unreachable tracking server
+        log.warning("could not mark MLflow run %s %s: %s", run_id, status, exc)
+
+
+def _finished_outcome(tracking_uri: str, run_id: str) -> RunOutcome:
+    from mlflow.tracking import MlflowClient
+
+    metrics = MlflowClient(tracking_uri).get_run(run_id).data.metrics
+    return RunOutcome(run_id, tracking_uri, True, None, {k: float(v) for k, v in metrics.items()})
 
 
 def launch(config: ExperimentConfig) -> RunOutcome:
-    """Run (or resume) one experiment to completion on the Ray cluster; returns the outcome."""
+    """Run (or resume) one experiment to completion on the Ray cluster; returns the outcome.
+
+    Order matters: everything that can be checked without workers is checked before any worker starts
+    (config and model, cluster storage rules, data plan, shared paths, resume policy), and the MLflow run
+    is only created or continued once the launch is known to be valid.
+    """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from dmltrain.service.tracking import finish_run, resolve_tracking_uri, run_key, start_or_resume_run
+    from dmltrain.service.callbacks import StopOnFatalError
     from dmltrain.service.train import train_loop_per_worker
 
+    check_config(config)
+    tracking_uri = resolve_tracking_uri(config.mlflow.tracking_uri)
+    tracking_is_default = not (config.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+    view = check_cluster(config, tracking_uri, tracking_is_default)
+    topology = decide_topology(config.scaling.topology, view)
     config = resolve_paths(config)
     prepare_data(config)
-    tracking_uri = resolve_tracking_uri(config.mlflow.tracking_uri)
-    run_id, resumed = start_or_resume_run(
-        tracking_uri,
-        config.mlflow.experiment,
-        run_key(config.run.storage_path, config.run.name),
-        config.run.name,
-        flatten(config),
-        to_yaml(config),
-    )
-    log.info("MLflow run %s (%s) at %s", run_id, "resumed" if resumed else "new", tracking_uri)
+    if topology.multi_node:
+        problems = check_shared_paths(config, view)
+        if problems:
+            raise ConfigError("\n".join(problems))
+
+    key = run_key(config.run.storage_path, config.run.name)
+    existing = find_run(tracking_uri, config.mlflow.experiment, key)
+    checkpoints = count_ray_checkpoints(config.run.storage_path, config.run.name)
+    plan = plan_launch(config, existing, checkpoints, tracking_uri)
+    if plan.message:
+        log.info("%s", plan.message)
+    if plan.action == "done":
+        assert existing is not None
+        return _finished_outcome(tracking_uri, existing.run_id)
+
     _connect_ray()
-    use_gpu = _wants_gpu(config)
+    import ray
+
+    use_gpu, warning = resolve_use_gpu(
+        config.scaling.use_gpu, ray.cluster_resources().get("GPU", 0), topology
+    )
+    if warning:
+        log.warning("!!! %s !!!", warning)
+    config_dump = config.model_dump(mode="json")
+    if existing is None:
+        run_id = create_run(
+            tracking_uri,
+            config.mlflow.experiment,
+            key,
+            config.run.name,
+            flatten(config),
+            Segment(1, 0, config.run.resume, {}, config_dump),
+        )
+    else:
+        run_id = existing.run_id
+        segment = Segment(
+            existing.segments + 1, existing.checkpoint_step or 0, config.run.resume, plan.changed, config_dump
+        )
+        continue_run(tracking_uri, run_id, segment)
+    log.info("MLflow run %s (%s) at %s", run_id, "resumed" if existing else "new", tracking_uri)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            "config": config.model_dump(mode="json"),
-            "mlflow_run_id": run_id,
-            "tracking_uri": tracking_uri,
-        },
+        train_loop_config={"config": config_dump, "mlflow_run_id": run_id, "tracking_uri": tracking_uri},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=config.scaling.num_workers,
@@ -132,19 +282,25 @@ def launch(config: ExperimentConfig) -> RunOutcome:
             storage_path=config.run.storage_path,
             checkpoint_config=CheckpointConfig(num_to_keep=config.run.keep_checkpoints),
             failure_config=FailureConfig(max_failures=config.run.max_failures),
+            callbacks=[StopOnFatalError()],
         ),
     )
-    try:
-        result = trainer.fit()
-    except BaseException:
-        finish_run(tracking_uri, run_id, success=False)
-        raise
-    finish_run(tracking_uri, run_id, success=result.error is None)
-    if result.error is not None:
-        raise result.error
-    metrics = {k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, int | float)}
+    with _run_status(tracking_uri, run_id):
+        try:
+            result = _fit(trainer)
+        except Exception as error:
+            fatal = fatal_cause(error)
+            if fatal is not None:  # a config or data error a restart cannot fix: not retried, one line
+                raise fatal from None
+            raise
+        if result.error is not None:
+            raise result.error
+    set_run_status(tracking_uri, run_id, "FINISHED")
+    metrics = {
+        metric_name(k): float(v) for k, v in (result.metrics or {}).items() if isinstance(v, int | float)
+    }
     checkpoint = result.checkpoint.path if result.checkpoint else None
-    return RunOutcome(run_id, tracking_uri, resumed, checkpoint, metrics)
+    return RunOutcome(run_id, tracking_uri, existing is not None, checkpoint, metrics)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,9 +318,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         outcome = launch(load_config(args.config, args.overrides))
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (ConfigError, FatalRunError) as error:
+        for line in str(error).splitlines():  # one line per problem; indented lines continue the one above
+            print(line if line.startswith(" ") else f"error: {line}", file=sys.stderr)
         return 2
+    except _Terminated as stop:
+        print(f"stopped: {stop}; the MLflow run is marked KILLED and a relaunch resumes it", file=sys.stderr)
+        return 128 + stop.signum
+    except KeyboardInterrupt:
+        print(
+            "stopped: interrupted; the MLflow run is marked KILLED and a relaunch resumes it", file=sys.stderr
+        )
+        return 130
     summary = ", ".join(f"{k}={v:.4f}" for k, v in sorted(outcome.metrics.items()) if k.startswith("eval/"))
     print(f"run finished: MLflow run {outcome.mlflow_run_id} in {outcome.tracking_uri}; {summary}")
     return 0

@@ -8,19 +8,30 @@ starts from the steps already stored for each metric and skips those, so no step
 
 from __future__ import annotations
 
+import logging
 import os
+import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from mlflow.entities import Metric, Param, RunStatus
+import yaml
+from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+log = logging.getLogger("dmltrain.service.tracking")
+
 RUN_KEY_TAG = "dmltrain.run_key"
+CHECKPOINT_STEP_TAG = "dmltrain.checkpoint_step"
+SEGMENT_TAG = "dmltrain.segment"  # number of the latest launch
+SEGMENTS_TAG = "dmltrain.segments"  # "1@0; 2@300 (train.steps: 300 -> 600)": every launch, its first step
+SEGMENT_METRIC = "run/segment"  # N logged at the first step of launch N
+_MAX_TAG_LENGTH = 5000
 _MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 _BATCH = 100  # params or metrics per log_batch call, well under MLflow's limits
 
@@ -46,6 +57,145 @@ def run_key(storage_path: str, name: str) -> str:
     return f"{storage_path.rstrip('/')}/{name}"
 
 
+@dataclass(frozen=True)
+class ExistingRun:
+    """The MLflow run a relaunch would continue, with what resume decisions need to know about it."""
+
+    run_id: str
+    status: str  # RUNNING, FINISHED, FAILED, KILLED
+    checkpoint_step: int | None  # last checkpoint rank 0 recorded (tag dmltrain.checkpoint_step)
+    segments: int  # launches so far
+    config: dict[str, Any] | None  # the latest launch's resolved config; None when it cannot be read
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One launch of a run: what it trained with and from which step (MLflow: segments/segment_NN.yaml,
+    metric ``run/segment`` = N at its first step, tags ``dmltrain.segment`` and ``dmltrain.segments``)."""
+
+    number: int
+    start_step: int
+    resume: str  # run.resume of this launch
+    changed: dict[str, tuple[str | None, str | None]]  # flattened key -> (previous, this launch)
+    config: dict[str, Any]
+
+    def artifact_name(self) -> str:
+        return f"segments/segment_{self.number:02d}.yaml"
+
+    def to_yaml(self) -> str:
+        record = {
+            "segment": self.number,
+            "start_step": self.start_step,
+            "launched": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "resume": self.resume,
+            "changed": {key: {"from": old, "to": new} for key, (old, new) in sorted(self.changed.items())},
+            "config": self.config,
+        }
+        return yaml.safe_dump(record, sort_keys=False)
+
+    def summary(self) -> str:
+        changes = ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in sorted(self.changed.items()))
+        return f"{self.number}@{self.start_step}" + (f" ({changes})" if changes else "")
+
+
+def _experiment_id(client: MlflowClient, experiment: str, create: bool) -> str | None:
+    found = client.get_experiment_by_name(experiment)
+    if found is not None:
+        return found.experiment_id
+    return client.create_experiment(experiment) if create else None
+
+
+def find_run(tracking_uri: str, experiment: str, key: str) -> ExistingRun | None:
+    """The MLflow run of ``key`` (storage path + run name) in ``experiment``, or None."""
+    client = MlflowClient(tracking_uri)
+    experiment_id = _experiment_id(client, experiment, create=False)
+    if experiment_id is None:
+        return None
+    found = client.search_runs(
+        [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{_quote(key)}'", max_results=1
+    )
+    if not found:
+        return None
+    run = found[0]
+    tags = run.data.tags
+    step = tags.get(CHECKPOINT_STEP_TAG)
+    return ExistingRun(
+        run_id=run.info.run_id,
+        status=run.info.status,
+        checkpoint_step=int(step) if step is not None and step.isdigit() else None,
+        segments=int(tags.get(SEGMENT_TAG, "1")),
+        config=_latest_config(client, run.info.run_id),
+    )
+
+
+def _latest_config(client: MlflowClient, run_id: str) -> dict[str, Any] | None:
+    """The config of the run's latest launch: its newest segment record, else (runs logged before segments
+    existed) the newest ``config_relaunch_*.yaml``, else ``config.yaml``."""
+    try:
+        segments = sorted(a.path for a in client.list_artifacts(run_id, "segments") if not a.is_dir)
+        if segments:
+            return _read_yaml(client, run_id, segments[-1]).get("config")
+        root = sorted(a.path for a in client.list_artifacts(run_id) if not a.is_dir)
+        legacy = [p for p in root if p.startswith("config_relaunch_")] or [
+            p for p in root if p == "config.yaml"
+        ]
+        return _read_yaml(client, run_id, legacy[-1]) if legacy else None
+    except Exception as exc:  # unreadable artifact store: the caller treats the config as unknown
+        log.warning("cannot read the stored config of MLflow run %s: %s", run_id, exc)
+        return None
+
+
+def _read_yaml(client: MlflowClient, run_id: str, path: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as directory:
+        local = client.download_artifacts(run_id, path, directory)
+        data = yaml.safe_load(Path(local).read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def create_run(
+    tracking_uri: str,
+    experiment: str,
+    key: str,
+    run_name: str,
+    params: Mapping[str, str],
+    segment: Segment,
+) -> str:
+    """A new MLflow run for ``key``: the flattened config as params, the resolved YAML as ``config.yaml``
+    and the first segment record."""
+    client = MlflowClient(tracking_uri)
+    experiment_id = _experiment_id(client, experiment, create=True)
+    assert experiment_id is not None
+    run = client.create_run(experiment_id, run_name=run_name, tags={RUN_KEY_TAG: key})
+    run_id = run.info.run_id
+    items = [Param(k, v[:_MAX_PARAM_LENGTH]) for k, v in params.items()]
+    for start in range(0, len(items), _BATCH):
+        client.log_batch(run_id, params=items[start : start + _BATCH])
+    client.log_text(run_id, yaml.safe_dump(segment.config, sort_keys=False), "config.yaml")
+    _record_segment(client, run_id, segment, previous="")
+    return run_id
+
+
+def continue_run(tracking_uri: str, run_id: str, segment: Segment) -> None:
+    """Mark a resumed run RUNNING again and record this launch as a new segment. MLflow params are
+    immutable, so they keep the first launch's config; each segment's config is its own artifact."""
+    client = MlflowClient(tracking_uri)
+    client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+    previous = client.get_run(run_id).data.tags.get(SEGMENTS_TAG, "")
+    _record_segment(client, run_id, segment, previous)
+
+
+def _record_segment(client: MlflowClient, run_id: str, segment: Segment, previous: str) -> None:
+    client.log_text(run_id, segment.to_yaml(), segment.artifact_name())
+    history = f"{previous}; {segment.summary()}" if previous else segment.summary()
+    if len(history) > _MAX_TAG_LENGTH:
+        history = "..." + history[-(_MAX_TAG_LENGTH - 3) :]
+    client.log_batch(
+        run_id,
+        metrics=[Metric(SEGMENT_METRIC, float(segment.number), int(time.time() * 1000), segment.start_step)],
+        tags=[RunTag(SEGMENT_TAG, str(segment.number)), RunTag(SEGMENTS_TAG, history)],
+    )
+
+
 def start_or_resume_run(
     tracking_uri: str,
     experiment: str,
@@ -54,39 +204,32 @@ def start_or_resume_run(
     params: Mapping[str, str],
     config_yaml: str,
 ) -> tuple[str, bool]:
-    """Find the MLflow run for ``key`` or create it; return ``(run_id, resumed)``.
-
-    A new run gets the flattened config as params and the resolved YAML as an artifact; a resumed run is
-    set back to RUNNING so the UI shows it as live again, and gets the relaunch's YAML as another artifact.
-    """
-    client = MlflowClient(tracking_uri)
-    found = client.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-    existing = client.search_runs(
-        [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{_quote(key)}'", max_results=1
-    )
-    if existing:
-        run_id = existing[0].info.run_id
-        client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
-        # Params are immutable in MLflow: keep each relaunch's resolved config beside the original.
-        client.log_text(run_id, config_yaml, f"config_relaunch_{time.strftime('%Y%m%dT%H%M%S')}.yaml")
-        return run_id, True
-    run = client.create_run(experiment_id, run_name=run_name, tags={RUN_KEY_TAG: key})
-    run_id = run.info.run_id
-    items = [Param(k, v[:_MAX_PARAM_LENGTH]) for k, v in params.items()]
-    for start in range(0, len(items), _BATCH):
-        client.log_batch(run_id, params=items[start : start + _BATCH])
-    client.log_text(run_id, config_yaml, "config.yaml")
-    return run_id, False
+    """Find the MLflow run for ``key`` or create it; return ``(run_id, resumed)``. No resume policy: the
+    driver uses :func:`find_run`, :func:`create_run` and :func:`continue_run` with its run.resume."""
+    existing = find_run(tracking_uri, experiment, key)
+    config = yaml.safe_load(config_yaml) or {}
+    if existing is not None:
+        number = existing.segments + 1
+        continue_run(
+            tracking_uri, existing.run_id, Segment(number, existing.checkpoint_step or 0, "must", {}, config)
+        )
+        return existing.run_id, True
+    return create_run(
+        tracking_uri, experiment, key, run_name, params, Segment(1, 0, "auto", {}, config)
+    ), False
 
 
 def _quote(value: str) -> str:
     return value.replace("'", "\\'")
 
 
+def set_run_status(tracking_uri: str, run_id: str, status: str) -> None:
+    """End the run as FINISHED, FAILED or KILLED (KILLED: the driver was stopped; a relaunch resumes it)."""
+    MlflowClient(tracking_uri).set_terminated(run_id, status=status)
+
+
 def finish_run(tracking_uri: str, run_id: str, success: bool) -> None:
-    client = MlflowClient(tracking_uri)
-    client.set_terminated(run_id, status="FINISHED" if success else "FAILED")
+    set_run_status(tracking_uri, run_id, "FINISHED" if success else "FAILED")
 
 
 class RunLogger:

@@ -33,7 +33,8 @@ from dmltrain.service.checkpoints import (
 )
 from dmltrain.service.config import ExperimentConfig
 from dmltrain.service.distributed_eval import evaluate
-from dmltrain.service.tracking import RunLogger
+from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
+from dmltrain.service.tracking import CHECKPOINT_STEP_TAG, RunLogger
 
 log = logging.getLogger("dmltrain.service.train")
 
@@ -212,7 +213,7 @@ class WorkerLoop:
             self.ray.report({"step": self.step, **metrics}, directory)
             if self.logger is not None and self.config.mlflow.log_checkpoints:
                 self.logger.log_directory(directory, "checkpoints/latest")
-                self.logger.set_tag("dmltrain.checkpoint_step", str(self.step))
+                self.logger.set_tag(CHECKPOINT_STEP_TAG, str(self.step))
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self) -> dict[str, float]:
@@ -389,5 +390,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     ray_ctx = _RayContext(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device())
     config = ExperimentConfig.model_validate(loop_config["config"])
-    loop = WorkerLoop(config, loop_config["mlflow_run_id"], loop_config["tracking_uri"], ray_ctx)
-    loop.run()
+    # Errors no restart can fix end the run at once (dmltrain.service.errors); anything else, e.g. a peer
+    # lost mid-collective, propagates as is and Ray restarts the group from the last checkpoint.
+    try:
+        loop = WorkerLoop(config, loop_config["mlflow_run_id"], loop_config["tracking_uri"], ray_ctx)
+    except FATAL_IN_SETUP as exc:
+        raise as_fatal(exc, ray_ctx.rank, "setup") from exc
+    try:
+        loop.run()
+    except (*FATAL_IN_LOOP, NonFiniteLossError) as exc:
+        raise as_fatal(exc, ray_ctx.rank, f"step {loop.step + 1}") from exc

@@ -1,0 +1,22 @@
+"""Ray Train callbacks the driver installs on the controller."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.train import UserCallback
+
+from dmltrain.service.errors import FatalRunError
+
+
+class StopOnFatalError(UserCallback):
+    """Runs on the Ray Train controller: a worker's FatalRunError ends the run instead of a retry.
+
+    Ray Train treats every worker error as retryable, but an exception raised by a callback becomes a
+    ControllerError, which its default failure policy raises at once.
+    """
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        fatal = {rank: e for rank, e in worker_exceptions.items() if isinstance(e, FatalRunError)}
+        if fatal:
+            raise FatalRunError(str(fatal[min(fatal)]))

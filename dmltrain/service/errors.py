@@ -1,0 +1,40 @@
+"""Which worker failures a restart can fix, and stopping Ray Train from retrying the others.
+
+``run.max_failures`` exists for lost nodes and killed workers: Ray restarts the worker group from the last
+checkpoint. A wrong backbone name, a missing weights file, a shard that is not where dataset.json says or a
+diverging loss fail the same way on every attempt, so retrying only delays the error three times. Workers
+wrap such errors in :class:`FatalRunError`; :class:`StopOnFatalError`, a Ray Train callback on the
+controller (``dmltrain.service.callbacks``), turns one into a controller error, which Ray Train's failure
+policy never retries. This module stays free of Ray so the worker loop can use it anywhere.
+"""
+
+from __future__ import annotations
+
+from dmltrain.data.shards import ShardError
+
+
+class FatalRunError(RuntimeError):
+    """A failure that fails again on every restart (config, data layout, weights): never retried."""
+
+
+# Raised while a worker sets up (model, data plan, weights): no restart makes them go away. Errors of the
+# training loop itself are retried unless listed in FATAL_IN_LOOP (a lost peer shows up as RuntimeError).
+FATAL_IN_SETUP = (ValueError, KeyError, TypeError, FileNotFoundError, ImportError)
+FATAL_IN_LOOP = (ShardError,)
+
+
+def as_fatal(exc: BaseException, rank: int, phase: str) -> FatalRunError:
+    """A one-line FatalRunError naming the rank and phase, chained to ``exc``."""
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    return FatalRunError(f"rank {rank} {phase}: {type(exc).__name__}: {first_line}")
+
+
+def fatal_cause(error: BaseException | None) -> FatalRunError | None:
+    """The FatalRunError behind what ``TorchTrainer.fit`` raised (a ControllerError wraps it), if any."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, FatalRunError):
+            return error
+        error = getattr(error, "controller_failure", None) or error.__cause__
+        seen += 1
+    return None

@@ -1,0 +1,74 @@
+"""Checks the driver runs before any worker starts, so a mistake costs seconds and one line, not a Ray
+worker group that fails (and is retried) on every rank.
+
+Everything a worker would raise from its config or its data *layout* is raised here first: the model (a
+backbone typo, weights that do not exist or do not fit, built on PyTorch's meta device so nothing is
+allocated or downloaded), the sampler's batch plan against ``dataset.json`` (enough shards for every
+rank x loader worker, categories the sampler needs), and optional packages the run will import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from dmltrain.data import DatasetInfo, SamplerSpec, ensure_glyphs, load_dataset_info
+from dmltrain.data.loader import TrainPlan
+from dmltrain.models import check_model
+from dmltrain.service.config import ConfigError, ExperimentConfig
+
+INSTALL_HINT = "pip install 'dmltrain[cpu]' (or 'dmltrain[gpu]' on CUDA machines; '.[cpu]' from a checkout)"
+
+
+def check_config(config: ExperimentConfig) -> None:
+    """What can be checked from the config alone (no data, no Ray); raises ConfigError naming the key."""
+    try:
+        check_model(config.model.backbone, config.model.embedding_dim, config.model.weights)
+    except (ValueError, FileNotFoundError) as error:  # messages start with the key (model.backbone=...)
+        raise ConfigError(_one_line(error)) from None
+    if config.eval.grid_queries > 0 and importlib.util.find_spec("faiss") is None:
+        raise ConfigError(
+            f"faiss is not installed, and eval.grid_queries={config.eval.grid_queries} needs it for the "
+            f"retrieval plots: {INSTALL_HINT}, or set eval.grid_queries=0"
+        )
+
+
+def load_data(config: ExperimentConfig) -> DatasetInfo:
+    """Build the embedded data set if asked, then read ``dataset.json``; a missing root is one line."""
+    try:
+        if config.data.prepare == "glyphs":
+            ensure_glyphs(config.data.root)
+        return load_dataset_info(config.data.root)
+    except (FileNotFoundError, ValueError, OSError) as error:
+        raise ConfigError(f"data.root={config.data.root}: {_one_line(error)}") from None
+
+
+def check_data(config: ExperimentConfig, info: DatasetInfo) -> None:
+    """The training split, the evaluations and the sampler's plan for every rank, from dataset.json."""
+    split = config.data.train_split
+    if split not in info.splits:
+        raise ConfigError(
+            f"data.train_split: split {split!r} is not in {config.data.root}/dataset.json "
+            f"(it has {sorted(info.splits)})"
+        )
+    if not info.evaluations:
+        raise ConfigError(f"data.root={config.data.root}: dataset.json lists no evaluations to run")
+    try:
+        spec = SamplerSpec.from_config(config.sampler)
+        # Identical on every rank (workers build the same plan), so once here stands for all of them.
+        TrainPlan(
+            info,
+            split,
+            spec,
+            config.local_batch_size,
+            config.scaling.num_workers,
+            max(1, config.data.loader_workers),
+        )
+    except (ValueError, KeyError) as error:
+        raise ConfigError(
+            f"sampler.name={config.sampler.name} on {config.data.root}: {_one_line(error)}"
+        ) from None
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().strip("'\"")
+    return " ".join(text.split())

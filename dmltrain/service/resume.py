@@ -1,0 +1,152 @@
+"""What a launch does when ``run.name`` (in ``run.storage_path``) already exists: ``run.resume``.
+
+A run is one model trained with one recipe. Relaunching it may change how long it trains and how often it
+logs, evaluates and checkpoints (:data:`RESUMABLE_KEYS`); any other change (learning rate, loss, data,
+model, batch...) would silently continue the old model with a new recipe and report a mix of both, so:
+
+- ``auto`` (default): start the run if it does not exist; resume it if only resumable keys changed; refuse
+  with the differences otherwise. A finished run whose last checkpoint already reached ``train.steps`` is
+  left as it is (nothing to train).
+- ``must``: resume whatever changed (the change is recorded in MLflow as a new segment); refuse if there is
+  nothing to resume.
+- ``never``: always a new run; refuse if the name exists (so an old run is never overwritten or silently
+  continued: pick a new ``run.name``).
+
+Ray Train resumes from the newest checkpoint in ``<storage_path>/<name>`` on its own; this module decides
+whether the driver lets it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from dmltrain.service.config import ConfigError, ExperimentConfig, flatten
+from dmltrain.service.tracking import ExistingRun
+
+# Keys a resumed run may change: length, cadence, fault tolerance and pure execution settings that leave the
+# trained model unchanged (chunk_size: the engine computes the same global-batch gradient whatever it is).
+RESUMABLE_KEYS = frozenset(
+    {
+        "train.steps",
+        "train.log_every",
+        "train.checkpoint_every",
+        "train.eval_every",
+        "train.eval_at_start",
+        "train.max_skipped_steps",
+        "train.chunk_size",
+        "eval.batch_size",
+        "eval.grid_queries",
+        "run.max_failures",
+        "run.keep_checkpoints",
+        "run.resume",
+        "scaling.torch_threads",
+        "scaling.topology",
+        "data.prepare",
+        "mlflow.tracking_uri",
+        "mlflow.log_checkpoints",
+    }
+)
+
+Action = Literal["new", "resume", "done"]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    action: Action
+    changed: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
+    message: str = ""
+
+
+def config_changes(old: dict[str, Any], new: ExperimentConfig) -> dict[str, tuple[str | None, str | None]]:
+    """Flattened ``key -> (old, new)`` for every setting that differs; ``old`` is a stored config dict."""
+    try:
+        before = flatten(ExperimentConfig.model_validate(old))
+    except ValidationError as error:
+        # A config this version no longer accepts: compare what is there, key by key.
+        before = _flatten_raw(old)
+        before.setdefault("<stored config>", f"invalid now ({error.error_count()} errors)")
+    after = flatten(new)
+    keys = sorted(set(before) | set(after))
+    return {k: (before.get(k), after.get(k)) for k in keys if before.get(k) != after.get(k)}
+
+
+def _flatten_raw(raw: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in raw.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            out.update(_flatten_raw(value, name))
+        else:
+            out[name] = str(value)
+    return out
+
+
+def _describe(changes: dict[str, tuple[str | None, str | None]]) -> str:
+    return ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changes.items())
+
+
+def plan_launch(
+    config: ExperimentConfig, existing: ExistingRun | None, checkpoints: int | None, tracking_uri: str
+) -> LaunchPlan:
+    """Decide from ``run.resume``, the run's MLflow record and the number of Ray checkpoints on storage
+    (None: storage could not be listed, so only MLflow's record counts).
+
+    Raises ConfigError (one line, naming ``run.resume`` / ``run.name`` and what to do) when refused.
+    """
+    mode = config.run.resume
+    name = f"run.name={config.run.name} in run.storage_path={config.run.storage_path}"
+    if existing is None and not checkpoints:
+        if mode == "must":
+            raise ConfigError(
+                f"run.resume=must: {name} has no checkpoint and no MLflow run in {tracking_uri} to resume; "
+                f"check run.name, run.storage_path and the tracking URI, or set run.resume=auto to start it"
+            )
+        return LaunchPlan("new")
+    where = (
+        f"MLflow run {existing.run_id} ({existing.status}, "
+        f"last checkpoint at step {existing.checkpoint_step})"
+        if existing is not None
+        else f"{checkpoints} Ray checkpoint(s) but no MLflow run in {tracking_uri}"
+    )
+    if mode == "never":
+        raise ConfigError(
+            f"run.resume=never: {name} already exists ({where}); set a new run.name to start a new run, "
+            f"or run.resume=auto to continue this one"
+        )
+    if existing is None:
+        if mode == "auto":
+            raise ConfigError(
+                f"run.resume=auto: {name} has {checkpoints} Ray checkpoint(s) but no MLflow run in "
+                f"{tracking_uri} (another tracking URI or experiment?); set run.resume=must to continue it "
+                f"into a new MLflow run, or a new run.name to start afresh"
+            )
+        return LaunchPlan("resume", message=f"resuming {name} from its Ray checkpoints into a new MLflow run")
+    if checkpoints == 0 and existing.checkpoint_step:
+        raise ConfigError(
+            f"run.resume={mode}: {where}, but run.storage_path={config.run.storage_path} holds no "
+            f"checkpoint of run.name={config.run.name} (moved or deleted?); point run.storage_path at "
+            f"them, or set a new run.name to start afresh"
+        )
+    if existing.config is not None:
+        changed = config_changes(existing.config, config)
+    else:
+        changed = {"<stored config>": ("unreadable", None)}
+    blocking = {k: v for k, v in changed.items() if k not in RESUMABLE_KEYS}
+    if blocking and mode == "auto":
+        raise ConfigError(
+            f"run.resume=auto: {name} exists ({where}) and this launch changes {_describe(blocking)}; "
+            f"set a new run.name to start a new run with these settings, or run.resume=must to continue "
+            f"this run with them (recorded in MLflow as a new segment)"
+        )
+    step = existing.checkpoint_step or 0
+    if existing.status == "FINISHED" and step >= config.train.steps:
+        return LaunchPlan(
+            "done",
+            changed,
+            f"{name} already finished at step {step} (train.steps={config.train.steps}): nothing to train; "
+            f"raise train.steps to train further, or set a new run.name for a new run",
+        )
+    return LaunchPlan("resume", changed, f"resuming {name} at step {step} ({where})")

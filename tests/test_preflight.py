@@ -1,0 +1,101 @@
+"""Fail fast: every error a worker would raise from its config or data layout is raised by the driver first,
+in one line naming the key, before Ray is contacted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dmltrain.models import build_model
+from dmltrain.service.config import ConfigError, ExperimentConfig, load_config
+from dmltrain.service.preflight import check_config, check_data, load_data
+
+REPO = Path(__file__).parents[1]
+
+
+def _config(*overrides: str) -> ExperimentConfig:
+    return load_config(REPO / "configs" / "quickstart.yaml", list(overrides))
+
+
+def _one_line_error(call, *args) -> str:
+    with pytest.raises(ConfigError) as caught:
+        call(*args)
+    message = str(caught.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_model_errors_are_caught_without_building_the_model(tmp_path: Path) -> None:
+    assert "model.backbone='resnet19'" in _one_line_error(check_config, _config("model.backbone=resnet19"))
+    assert "model.weights='IMAGENET9K'" in _one_line_error(check_config, _config("model.weights=IMAGENET9K"))
+    missing = _one_line_error(check_config, _config(f"model.weights={tmp_path / 'none.pt'}"))
+    assert missing.startswith("model.weights: file not found")
+    import torch
+
+    torch.save({"model": build_model("resnet18", 64).state_dict()}, tmp_path / "r18_64.pt")
+    check_config(
+        _config("model.backbone=resnet18", "model.embedding_dim=64", f"model.weights={tmp_path}/r18_64.pt")
+    )
+    wrong_size = _one_line_error(check_config, _config(f"model.weights={tmp_path}/r18_64.pt"))  # dim 128
+    assert wrong_size.startswith(f"model.weights={tmp_path}/r18_64.pt: does not fit this model")
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    assert "not a loadable state dict" in _one_line_error(
+        check_config, _config(f"model.weights={tmp_path}/junk.pt")
+    )
+
+
+def test_missing_faiss_fails_at_start_with_the_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "faiss", None)  # how Python marks a module as not importable
+    message = _one_line_error(check_config, _config())
+    assert "faiss is not installed" in message and "pip install 'dmltrain[cpu]'" in message
+    check_config(_config("eval.grid_queries=0"))  # the only use of faiss in training is the plot
+
+
+def test_config_level_batch_rules() -> None:
+    with pytest.raises(ConfigError, match=r"= 128 is not a multiple of 3"):
+        load_config(REPO / "configs" / "sop_triplet.yaml", ["train.global_batch_size=1024"])
+    load_config(REPO / "configs" / "sop_triplet.yaml")  # the shipped triplet config fits 8 workers
+    with pytest.raises(ConfigError, match=r"samples_per_class must be >= 2 for sampler.name=pk"):
+        _config("sampler.samples_per_class=1")
+
+
+def test_data_errors_name_the_root_in_one_line(glyphs_root: Path, tmp_path: Path) -> None:
+    missing = _one_line_error(load_data, _config(f"data.root={tmp_path / 'nowhere'}", "data.prepare=null"))
+    assert missing.startswith(f"data.root={tmp_path / 'nowhere'}: ") and "prepare the data first" in missing
+    base = [f"data.root={glyphs_root}", "data.prepare=null"]
+    info = load_data(_config(*base))
+    check_data(_config(*base), info)
+    assert "data.train_split" in _one_line_error(check_data, _config(*base, "data.train_split=nope"), info)
+    vehicleid = _one_line_error(check_data, _config(*base, "sampler.name=vehicleid"), info)
+    assert vehicleid.startswith("sampler.name=vehicleid on ") and "unlabelled classes" in vehicleid
+    shards = len(info.split("train").shards)
+    crowded = _config(*base, f"data.loader_workers={shards}")  # 2 ranks x shards workers > shards
+    assert "smaller --shard-size" in _one_line_error(check_data, crowded, info)
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "expected"),
+    [
+        ("configs/quickstart.yaml", ["model.backbone=resnet19"], "model.backbone='resnet19'"),
+        ("configs/sop_triplet.yaml", ["train.global_batch_size=1024"], "is not a multiple of 3"),
+    ],
+)
+def test_cli_fails_before_ray_is_contacted(config: str, overrides: list[str], expected: str) -> None:
+    """The two errors measured failing only inside workers (retried 3 times each) now stop the driver."""
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dmltrain.run", config, *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"},  # would hang or fail loudly if Ray were contacted
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert expected in proc.stderr and "Traceback" not in proc.stderr
+    assert time.monotonic() - started < 60

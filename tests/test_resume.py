@@ -1,0 +1,157 @@
+"""run.resume: what a relaunch of an existing run.name does, decided before anything starts.
+
+The decision is a pure function of the config, the run's MLflow record and the checkpoints on storage;
+the MLflow side (segments, status) runs against a real sqlite store. The same paths through the real
+driver and Ray are in test_service.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from dmltrain.service.checkpoints import count_ray_checkpoints
+from dmltrain.service.config import ConfigError, ExperimentConfig, flatten, load_config
+from dmltrain.service.resume import RESUMABLE_KEYS, config_changes, plan_launch
+from dmltrain.service.tracking import (
+    ExistingRun,
+    Segment,
+    continue_run,
+    create_run,
+    find_run,
+    run_key,
+    set_run_status,
+)
+
+REPO = Path(__file__).parents[1]
+URI = "sqlite:///unused.db"
+
+
+def _config(*overrides: str) -> ExperimentConfig:
+    return load_config(REPO / "configs" / "quickstart.yaml", ["run.storage_path=/runs", *overrides])
+
+
+def _existing(config: ExperimentConfig, status: str = "FINISHED", step: int | None = 300) -> ExistingRun:
+    return ExistingRun("abc123", status, step, 1, config.model_dump(mode="json"))
+
+
+def test_a_new_name_starts_and_must_refuses_it() -> None:
+    assert plan_launch(_config(), None, 0, URI).action == "new"
+    assert plan_launch(_config("run.resume=never"), None, None, URI).action == "new"
+    with pytest.raises(ConfigError, match=r"run\.resume=must: run\.name=quickstart .* has no checkpoint"):
+        plan_launch(_config("run.resume=must"), None, 0, URI)
+
+
+def test_auto_resumes_length_and_cadence_changes_only() -> None:
+    old = _config()
+    longer = _config("train.steps=600", "train.eval_every=50", "run.max_failures=5", "train.chunk_size=32")
+    plan = plan_launch(longer, _existing(old), 2, URI)
+    assert plan.action == "resume"
+    assert set(plan.changed) == {"train.steps", "train.eval_every", "run.max_failures", "train.chunk_size"}
+    assert plan.changed["train.steps"] == ("300", "600")
+    # The finding that started this: a new learning rate used to "resume at step 300" of a finished run.
+    with pytest.raises(ConfigError) as refused:
+        plan_launch(_config("optim.lr=1e-4", "train.steps=600"), _existing(old), 2, URI)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "optim.lr: 0.001 -> 0.0001" in message and "train.steps" not in message
+    assert "new run.name" in message and "run.resume=must" in message
+
+
+def test_must_resumes_any_change_and_never_refuses_an_existing_run() -> None:
+    old = _config()
+    plan = plan_launch(_config("optim.lr=1e-4", "train.steps=600", "run.resume=must"), _existing(old), 2, URI)
+    assert plan.action == "resume" and plan.changed["optim.lr"] == ("0.001", "0.0001")
+    with pytest.raises(ConfigError, match=r"run\.resume=never: .* already exists \(MLflow run abc123"):
+        plan_launch(_config("run.resume=never"), _existing(old), 2, URI)
+    with pytest.raises(ConfigError, match=r"already exists \(3 Ray checkpoint\(s\) but no MLflow run"):
+        plan_launch(_config("run.resume=never"), None, 3, URI)
+
+
+def test_finished_runs_are_left_alone_until_they_are_made_longer() -> None:
+    old = _config()
+    done = plan_launch(old, _existing(old), 2, URI)
+    assert done.action == "done" and "already finished at step 300" in done.message
+    assert plan_launch(old, _existing(old, status="KILLED", step=250), 2, URI).action == "resume"
+    assert plan_launch(_config("train.steps=400"), _existing(old), 2, URI).action == "resume"
+
+
+def test_checkpoints_and_mlflow_must_agree() -> None:
+    old = _config()
+    with pytest.raises(
+        ConfigError, match=r"holds no checkpoint of run\.name=quickstart \(moved or deleted\?\)"
+    ):
+        plan_launch(old, _existing(old, status="KILLED", step=200), 0, URI)
+    # Unknown storage (None: could not be listed) trusts MLflow's record.
+    assert plan_launch(old, _existing(old, status="KILLED", step=200), None, URI).action == "resume"
+    # Checkpoints without an MLflow run (another tracking URI?): auto refuses, must continues.
+    with pytest.raises(ConfigError, match=r"no MLflow run in sqlite:///unused\.db"):
+        plan_launch(old, None, 2, URI)
+    assert plan_launch(_config("run.resume=must"), None, 2, URI).action == "resume"
+    # A killed run that never reached a checkpoint restarts from step 0 into the same MLflow run.
+    assert plan_launch(old, _existing(old, status="KILLED", step=None), 0, URI).action == "resume"
+
+
+def test_stored_configs_are_compared_key_by_key() -> None:
+    new = _config("optim.lr=1e-4")
+    stored = new.model_dump(mode="json")
+    assert config_changes(stored, new) == {}
+    stored["optim"]["lr"] = 0.001
+    stored["sampler"]["removed_key"] = 1  # a stored config this version no longer accepts
+    changes = config_changes(stored, new)
+    assert changes["optim.lr"] == ("0.001", "0.0001") and changes["sampler.removed_key"] == ("1", None)
+    assert "<stored config>" in changes
+    assert {"train.steps", "run.resume", "train.checkpoint_every"} <= RESUMABLE_KEYS
+    assert not {"optim.lr", "loss.name", "data.root", "train.global_batch_size"} & RESUMABLE_KEYS
+
+
+def test_segments_and_status_in_mlflow(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first = _config()
+    key = run_key(first.run.storage_path, first.run.name)
+    assert find_run(uri, "exp", key) is None
+    run_id = create_run(
+        uri,
+        "exp",
+        key,
+        "quickstart",
+        flatten(first),
+        Segment(1, 0, "auto", {}, first.model_dump(mode="json")),
+    )
+    client = MlflowClient(uri)
+    client.set_tag(run_id, "dmltrain.checkpoint_step", "300")
+    set_run_status(uri, run_id, "KILLED")
+    found = find_run(uri, "exp", key)
+    assert found is not None and (found.status, found.checkpoint_step, found.segments) == ("KILLED", 300, 1)
+    assert found.config == first.model_dump(mode="json")
+
+    second = _config("optim.lr=1e-4", "train.steps=600", "run.resume=must")
+    plan = plan_launch(second, found, 1, uri)
+    continue_run(uri, run_id, Segment(2, 300, "must", plan.changed, second.model_dump(mode="json")))
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING"  # a resume makes the run live again
+    assert run.data.params["optim.lr"] == "0.001"  # params stay the first launch's (MLflow keeps them)
+    assert run.data.tags["dmltrain.segments"] == (
+        "1@0; 2@300 (optim.lr: 0.001 -> 0.0001, run.resume: auto -> must, train.steps: 300 -> 600)"
+    )
+    history = {m.step: m.value for m in client.get_metric_history(run_id, "run/segment")}
+    assert history == {0: 1.0, 300: 2.0}
+    record = yaml.safe_load(
+        Path(client.download_artifacts(run_id, "segments/segment_02.yaml", str(tmp_path))).read_text()
+    )
+    assert record["changed"]["optim.lr"] == {"from": "0.001", "to": "0.0001"}
+    again = find_run(uri, "exp", key)
+    assert again is not None and again.segments == 2 and again.config == second.model_dump(mode="json")
+
+
+def test_checkpoint_count_on_local_storage(tmp_path: Path) -> None:
+    assert count_ray_checkpoints(str(tmp_path), "run") == 0
+    for name in ("checkpoint_2026-01-01_00-00-00.000000", "checkpoint_2026-01-01_00-01-00.000000"):
+        (tmp_path / "run" / name).mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint_manager_snapshot.json").write_text("{}")
+    assert count_ray_checkpoints(str(tmp_path), "run") == 2
+    assert count_ray_checkpoints(f"file://{tmp_path}", "run") == 2
+    assert count_ray_checkpoints("nosuchscheme://bucket/x", "run") is None
