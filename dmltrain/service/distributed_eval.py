@@ -19,7 +19,8 @@ from tqdm import tqdm
 from dmltrain.data import DatasetInfo, EvalLoader
 from dmltrain.distributed import all_gather_objects, all_gather_sizes, all_gather_uneven, broadcast_object
 from dmltrain.evaluation import nearest_neighbors, retrieval_metrics
-from dmltrain.models import normalize_images
+from dmltrain.inference import embed_batch
+from dmltrain.service.builders import build_test_transform
 
 if TYPE_CHECKING:
     from dmltrain.service.config import ExperimentConfig
@@ -64,8 +65,7 @@ def embed_split(
         rank=rank,
         world_size=world,
         num_workers=config.data.loader_workers,
-        image_size=config.data.image_size,
-        resize=config.data.resize,
+        transform=build_test_transform(config),
         info=info,
     )
     was_training = net.training
@@ -79,9 +79,7 @@ def embed_split(
     for images, batch_labels, _categories, _keys in loader:
         if limit is not None and seen >= limit // world:
             break
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            out = net(normalize_images(images.to(device, non_blocking=True)))
-        chunks.append(out.float())
+        chunks.append(embed_batch(net, images, device, autocast_dtype))
         labels.append(batch_labels)
         if keep_thumbnails:
             thumbs.append(_thumbnail(images))
