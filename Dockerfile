@@ -51,6 +51,8 @@ RUN set -eux; \
 # (generated from the environment the tests passed in: cluster/update_image_constraints.py), so a rebuild
 # installs the same versions, the MLflow client equals the server's version (kubernetes/mlflow.yaml) and
 # boto3 stays on the botocore that s3fs's aiobotocore pins. Ray writes s3:// checkpoints itself.
+# faiss-cpu (a base dependency) and faiss-gpu write the same files, so both are removed afterwards and
+# faiss-gpu alone is put back (its CUDA libraries stay installed).
 COPY pyproject.toml README.md /tmp/dmltrain-src/
 COPY dmltrain /tmp/dmltrain-src/dmltrain
 COPY cluster/image-constraints.txt /tmp/image-constraints.txt
@@ -60,6 +62,8 @@ RUN set -eux; \
     grep -qx "torchvision==${TORCHVISION_VERSION}" /tmp/image-constraints.txt; \
     cd /tmp/dmltrain-src; \
     python -m pip install --constraint /tmp/image-constraints.txt ".[gpu,s3]" boto3; \
+    python -m pip uninstall -y faiss-cpu faiss-gpu; \
+    python -m pip install --no-deps --constraint /tmp/image-constraints.txt "faiss-gpu>=1.8"; \
     cd /; \
     rm -rf /tmp/dmltrain-src /tmp/image-constraints.txt; \
     ray --version; \

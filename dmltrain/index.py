@@ -36,6 +36,7 @@ __all__ = [
     "IdMap",
     "IndexSpec",
     "StoredIndex",
+    "approximate_retrieval_metrics",
     "build_index",
     "choose_spec",
     "exact_knn",
@@ -367,3 +368,93 @@ def load_index(directory: str | os.PathLike[str]) -> StoredIndex:
     if len(ids) != raw.ntotal:
         raise ValueError(f"{root}: {IDS_FILE} has {len(ids)} rows but {INDEX_FILE} holds {raw.ntotal}")
     return StoredIndex(EmbeddingIndex(raw, spec, int(meta["dim"])), ids, meta)
+
+
+# ------------------------------------------------------------------------------- approximate evaluation
+def _label_array(y: Any, n: int, name: str) -> np.ndarray:
+    a = y.detach().cpu().numpy() if hasattr(y, "detach") else np.asarray(y)
+    if a.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},), got {a.shape}")
+    return a
+
+
+def approximate_retrieval_metrics(
+    query_embeddings: Any,
+    query_labels: Any,
+    gallery_embeddings: Any | None = None,
+    gallery_labels: Any | None = None,
+    ks: tuple[int, ...] = (1, 2, 4, 8),
+    *,
+    kind: IndexKind = "ivfpq",
+    recall_queries: int = 1000,
+    recall_k: int = 10,
+    max_k: int = 1024,
+    seed: int = 0,
+    chunk_size: int = 4096,
+) -> dict[str, float]:
+    """Recall@K, MAP@R and R-precision from a faiss index's top-k lists, for galleries too large to rank
+    exactly; plus ``index_recall@{recall_k}``: how much of the exact top ``recall_k`` the index returns, on
+    ``recall_queries`` queries sampled with ``seed`` (exact search on that sample only).
+
+    Without a gallery the queries search each other, each skipping itself. Full-ranking mAP needs every
+    positive's rank and is not reported; MAP@R and R-precision look at the top R (capped at ``max_k``, so
+    a class larger than that is scored on its first ``max_k`` ranks). Ties keep faiss's order (the exact path,
+    `dmltrain.evaluation.retrieval_metrics`, ranks ties pessimistically)."""
+    q = _as_float32(query_embeddings, "query_embeddings")
+    q_lab = _label_array(query_labels, len(q), "query_labels")
+    leave_one_out = gallery_embeddings is None
+    g = q if leave_one_out else _as_float32(gallery_embeddings, "gallery_embeddings")
+    g_lab = q_lab if leave_one_out else _label_array(gallery_labels, len(g), "gallery_labels")
+    if g.shape[1] != q.shape[1]:
+        raise ValueError(f"gallery dimension {g.shape[1]} != query dimension {q.shape[1]}")
+    ks = tuple(sorted({int(k) for k in ks}))
+    classes, counts = np.unique(g_lab, return_counts=True)
+    where = np.searchsorted(classes, q_lab)
+    found = (where < len(classes)) & (classes[np.minimum(where, len(classes) - 1)] == q_lab)
+    r = np.where(found, counts[np.minimum(where, len(classes) - 1)], 0) - (1 if leave_one_out else 0)
+    k = int(min(max(max(ks), int(r.max(initial=0)), recall_k), max_k, len(g) - (1 if leave_one_out else 0)))
+    built = build_index(g, kind, seed=seed)
+    extra = 1 if leave_one_out else 0
+    first = np.zeros(len(q), dtype=np.int64)  # rank of the first positive, 0 = none in the top k
+    map_r = np.zeros(len(q))
+    r_prec = np.zeros(len(q))
+    rows = np.arange(len(q))
+    for lo in range(0, len(q), chunk_size):
+        _, ids = built.search(q[lo : lo + chunk_size], k + extra)
+        if leave_one_out:
+            ids = _drop_self(ids, rows[lo : lo + chunk_size], k)
+        rel = (ids >= 0) & (g_lab[np.maximum(ids, 0)] == q_lab[lo : lo + chunk_size, None])
+        rr = np.minimum(r[lo : lo + chunk_size], k)
+        within = np.arange(k)[None, :] < rr[:, None]
+        hits = np.cumsum(rel, axis=1)
+        precision = np.where(rel & within, hits / np.arange(1, k + 1)[None, :], 0.0)
+        denom = np.maximum(r[lo : lo + chunk_size], 1)
+        map_r[lo : lo + chunk_size] = precision.sum(axis=1) / denom
+        r_prec[lo : lo + chunk_size] = (rel & within).sum(axis=1) / denom
+        first[lo : lo + chunk_size] = np.where(rel.any(axis=1), rel.argmax(axis=1) + 1, 0)
+    valid = r > 0
+    if not valid.any():
+        raise ValueError(
+            "none of the queries has a relevant item in the gallery: retrieval metrics are undefined"
+        )
+    out = {f"recall@{kk}": float(np.mean((first[valid] > 0) & (first[valid] <= kk))) for kk in ks}
+    out["map@r"] = float(map_r[valid].mean())
+    out["r_precision"] = float(r_prec[valid].mean())
+    out["num_queries"] = int(valid.sum())
+    out["num_queries_without_positive"] = int((~valid).sum())
+    # How close the index is to exact search, on a sample of queries.
+    rk = int(min(recall_k, len(g) - extra))
+    sample = np.sort(np.random.default_rng(seed).choice(len(q), min(recall_queries, len(q)), replace=False))
+    _, approx = built.search(q[sample], rk + extra)
+    _, exact = exact_knn(q[sample], g, rk + extra)
+    if leave_one_out:
+        approx, exact = _drop_self(approx, sample, rk), _drop_self(exact, sample, rk)
+    out[f"index_recall@{rk}"] = neighbour_recall(approx, exact)
+    return out
+
+
+def _drop_self(ids: np.ndarray, self_rows: np.ndarray, k: int) -> np.ndarray:
+    """Each row's top k without the query itself (the last entry goes when the query was not returned)."""
+    drop = ids == self_rows[:, None]
+    drop[~drop.any(axis=1), -1] = True
+    return ids[~drop].reshape(len(ids), -1)[:, :k]

@@ -130,11 +130,12 @@ def open_index(ref: str | Path, tracking_uri: str | None = None) -> StoredIndex:
     if is_mlflow_uri(text):
         import mlflow
 
+        from dmltrain.service.serving.uris import tracking_uri as tracking_uri_block
         from dmltrain.service.tracking import resolve_tracking_uri
 
-        text = mlflow.artifacts.download_artifacts(
-            artifact_uri=text, tracking_uri=resolve_tracking_uri(tracking_uri)
-        )
+        uri = resolve_tracking_uri(tracking_uri)
+        with tracking_uri_block(uri):
+            text = mlflow.artifacts.download_artifacts(artifact_uri=text, tracking_uri=uri)
     return load_index(text)
 
 
@@ -153,13 +154,13 @@ def search_images(
     tracking_uri: str | None = None,
 ) -> tuple[list[SearchResult], LoadedModel]:
     """Embed image files with the index's model (or ``model_ref``) and return their ``k`` nearest rows."""
-    model = load_embedding_model(model_ref or stored.meta["model"], tracking_uri)
     data = []
     for path in images:
         file = Path(path)
         if not file.is_file():
             raise FileNotFoundError(f"image not found: {file}")
         data.append(file.read_bytes())
+    model = load_embedding_model(model_ref or stored.meta["model"], tracking_uri)
     embeddings = embed_images(model.net, data, model.transform, model.device)
     scores, ids = stored.search(embeddings, k)
     names = stored.meta.get("class_names", {})

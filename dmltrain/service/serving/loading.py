@@ -71,11 +71,14 @@ def locate(ref: str, tracking_uri: str | None = None) -> tuple[Path, str | None]
         import mlflow
         from mlflow.exceptions import MlflowException
 
+        from dmltrain.service.serving.uris import tracking_uri as tracking_uri_block
         from dmltrain.service.tracking import resolve_tracking_uri
 
         uri = resolve_tracking_uri(tracking_uri)
         try:
-            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=ref, tracking_uri=uri))
+            # The logged-model lookup behind runs:/ reads the process-wide URI, not the argument.
+            with tracking_uri_block(uri):
+                local = Path(mlflow.artifacts.download_artifacts(artifact_uri=ref, tracking_uri=uri))
         except MlflowException as exc:
             raise FileNotFoundError(
                 f"{ref}: not found in the MLflow store at {uri} ({exc.message})"

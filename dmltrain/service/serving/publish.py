@@ -18,7 +18,8 @@ from typing import Any
 from dmltrain.service.best import SCORE_KEY
 from dmltrain.service.checkpoints import load_state
 from dmltrain.service.config import ExperimentConfig
-from dmltrain.service.serving.pyfunc import log_embedding_model, tracking_uri
+from dmltrain.service.serving.pyfunc import log_embedding_model
+from dmltrain.service.serving.uris import tracking_uri
 from dmltrain.service.serving.weights import WEIGHTS_FILE, save_weights
 
 log = logging.getLogger("dmltrain.service.serving.publish")

@@ -1,21 +1,20 @@
 """A trained dmltrain model as an MLflow pyfunc: images in, L2-normalised float32 embeddings out.
 
 Input: a DataFrame (or dict) with an ``image`` column holding encoded JPEG/PNG/WebP bytes (base64 text over
-REST) or uint8 H x W x C arrays of any size; a list of such images, or one N x H x W x C uint8 array, is
-accepted too. Output: one float32 row of ``model.embedding_dim`` per image. Inside is exactly the run's
-test-time path (``build_test_transform`` + ``dmltrain.inference.embed_batch``), so served embeddings equal
-the ones evaluation measured. The model is logged "from code" with the dmltrain package beside it
-(``code_paths``), so it loads where dmltrain is not installed, e.g. under ``mlflow models serve``.
+REST) or uint8 H x W x C arrays of any size (MLflow's schema check passes the column through untouched; it
+refuses a bare list or a 4-D array before the model sees it, so wrap images in a column). Output: one
+float32 row of ``model.embedding_dim`` per image. Inside is exactly the run's test-time path
+(``build_test_transform`` + ``dmltrain.inference.embed_batch``), so served embeddings equal the ones
+evaluation measured. The model is logged "from code" with the dmltrain package beside it (``code_paths``),
+so it loads where dmltrain is not installed, e.g. under ``mlflow models serve``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import mlflow
 import numpy as np
 import torch
 
+from dmltrain.service.serving.uris import tracking_uri
 from dmltrain.service.serving.weights import WEIGHTS_FILE, load_weights
 
 WEIGHTS_ARTIFACT = "weights"
@@ -135,16 +135,6 @@ def signature(embedding_dim: int) -> Any:
         outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, embedding_dim))]),
         params=ParamSchema([ParamSpec("batch_size", DataType.long, 64)]),
     )
-
-
-@contextlib.contextmanager
-def tracking_uri(uri: str) -> Iterator[None]:
-    """MLflow's fluent API (log_model, register_model) reads the process-wide URI: set it for one block and
-    restore the caller's afterwards (MLflow's own helper for exactly this)."""
-    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
-
-    with _use_tracking_uri(uri):
-        yield
 
 
 def _package_copy(directory: Path) -> Path:
