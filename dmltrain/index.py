@@ -114,8 +114,8 @@ def choose_spec(
     """The index for ``n`` vectors of ``dim``: exact up to ``exact_limit`` rows, else IVF-PQ (``auto``).
 
     Parameters: ``nlist`` the power of two nearest sqrt(n) with at least 39 training vectors per cell
-    (faiss's rule; more cells make k-means the cost of a build on CPU), ``nprobe = nlist / 16`` (at least
-    8), re-ranking 4k candidates; HNSW32 with efConstruction 80 and efSearch 128. ``overrides`` replace any
+    (faiss's rule; more cells make k-means the cost of a build on CPU), ``nprobe = nlist / 8`` (at least
+    16), re-ranking 4k candidates; HNSW32 with efConstruction 80 and efSearch 128. ``overrides`` replace any
     field (e.g. ``nprobe=64``). The measured speed and recall are in bench/index.py's table (README).
     """
     if n < 1 or dim < 1:
@@ -133,7 +133,7 @@ def choose_spec(
             nlist=nlist,
             m=_pq_subquantizers(dim, nbits),
             nbits=nbits,
-            nprobe=min(nlist, max(8, nlist // 16)),
+            nprobe=min(nlist, max(16, nlist // 8)),
             refine=4,
             train_size=int(min(n, max(39 * nlist, 2**16))),
         )

@@ -263,8 +263,8 @@ def test_approximate_metrics_report_recall_against_exact(kind: str) -> None:
 def test_index_spec_choice_and_round_trip(tmp_path: Path) -> None:
     assert choose_spec(10_000, 128).kind == "flat"
     big = choose_spec(1_000_000, 128)
-    assert (big.kind, big.nlist, big.nprobe, big.refine) == ("ivfpq", 1024, 64, 4) and 128 % big.m == 0
-    assert "IVF1024" in big.describe() and "nprobe 64" in big.describe()
+    assert (big.kind, big.nlist, big.nprobe, big.refine) == ("ivfpq", 1024, 128, 4) and 128 % big.m == 0
+    assert "IVF1024" in big.describe() and "nprobe 128" in big.describe()
     with pytest.raises(ValueError, match="unknown index kind"):
         choose_spec(10, 4, "lsh")  # type: ignore[arg-type]
     x, y = _clustered(5000, 32, 100, seed=4)
