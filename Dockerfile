@@ -45,8 +45,8 @@ RUN set -eux; \
     useradd --uid 1000 --gid 1000 --create-home --home-dir /home/ray --shell /bin/bash ray; \
     command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python
 
-# Install dmltrain (not editable: the image is a release) with the gpu extra (faiss-gpu instead of
-# faiss-cpu) and the s3 extra (s3fs, so data.root can be s3://), plus boto3, which the `ray up` head's
+# Install dmltrain (not editable: the image is a release) with the gpu extra (faiss-gpu) and
+# the s3 extra (s3fs, so data.root can be s3://), plus boto3, which the `ray up` head's
 # autoscaler launches EC2 workers with. Every package pip resolves is pinned by cluster/image-constraints.txt
 # (generated from the environment the tests passed in: cluster/update_image_constraints.py), so a rebuild
 # installs the same versions, the MLflow client equals the server's version (kubernetes/mlflow.yaml) and
