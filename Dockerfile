@@ -45,12 +45,14 @@ RUN set -eux; \
     useradd --uid 1000 --gid 1000 --create-home --home-dir /home/ray --shell /bin/bash ray; \
     command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python
 
-# Install dmltrain (not editable: the image is a release) with the gpu extra (faiss-gpu instead of
-# faiss-cpu) and the s3 extra (s3fs, so data.root can be s3://), plus boto3, which the `ray up` head's
+# Install dmltrain (not editable: the image is a release) with the gpu extra (faiss-gpu) and
+# the s3 extra (s3fs, so data.root can be s3://), plus boto3, which the `ray up` head's
 # autoscaler launches EC2 workers with. Every package pip resolves is pinned by cluster/image-constraints.txt
 # (generated from the environment the tests passed in: cluster/update_image_constraints.py), so a rebuild
 # installs the same versions, the MLflow client equals the server's version (kubernetes/mlflow.yaml) and
 # boto3 stays on the botocore that s3fs's aiobotocore pins. Ray writes s3:// checkpoints itself.
+# faiss-cpu (a base dependency) and faiss-gpu write the same files, so both are removed afterwards and
+# faiss-gpu alone is put back (its CUDA libraries stay installed).
 COPY pyproject.toml README.md /tmp/dmltrain-src/
 COPY dmltrain /tmp/dmltrain-src/dmltrain
 COPY cluster/image-constraints.txt /tmp/image-constraints.txt
@@ -60,6 +62,8 @@ RUN set -eux; \
     grep -qx "torchvision==${TORCHVISION_VERSION}" /tmp/image-constraints.txt; \
     cd /tmp/dmltrain-src; \
     python -m pip install --constraint /tmp/image-constraints.txt ".[gpu,s3]" boto3; \
+    python -m pip uninstall -y faiss-cpu faiss-gpu; \
+    python -m pip install --no-deps --constraint /tmp/image-constraints.txt "faiss-gpu>=1.8"; \
     cd /; \
     rm -rf /tmp/dmltrain-src /tmp/image-constraints.txt; \
     ray --version; \

@@ -386,7 +386,8 @@ def nearest_neighbors(
     self_indices: ArrayLike | None = None,
     chunk_size: int = 4096,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k gallery rows by cosine similarity, exact, with faiss (a GPU index when faiss sees a GPU).
+    """Top-k gallery rows by cosine similarity, exact, with a faiss flat index from `dmltrain.index` (on a
+    GPU when faiss sees one).
 
     Returns ``(indices, similarities)``, both (num_queries, k'), k' = min(k, usable gallery size), best
     first. Without a gallery the queries search each other, skipping themselves; with a gallery,
@@ -394,7 +395,7 @@ def nearest_neighbors(
     from a leave-one-out set). Order among exactly tied similarities is faiss's and unspecified. Meant for
     inspection (retrieval grids); the metrics come from `retrieval_metrics`.
     """
-    import faiss
+    from dmltrain.index import IndexSpec, build_index
 
     q = _embeddings(query_embeddings, "query_embeddings").cpu().numpy()
     if gallery_embeddings is None:
@@ -420,10 +421,7 @@ def nearest_neighbors(
         raise ValueError("the gallery has no item left to retrieve")
     k_out = min(k, usable)
     k_search = min(k_out + (1 if skip is not None else 0), len(g))
-    index: Any = faiss.IndexFlatIP(q.shape[1])
-    if faiss.get_num_gpus() > 0:
-        index = faiss.index_cpu_to_all_gpus(index)
-    index.add(np.ascontiguousarray(g))
+    index = build_index(g, IndexSpec("flat"))  # the same index code as `dmltrain index` (GPU when seen)
     out_i = np.empty((len(q), k_out), dtype=np.int64)
     out_s = np.empty((len(q), k_out), dtype=np.float32)
     for lo in range(0, len(q), max(1, chunk_size)):

@@ -80,7 +80,13 @@ def test_run_logs_then_resumes_into_the_same_mlflow_run(
     ray_cluster, glyphs_root: Path, tmp_path: Path
 ) -> None:
     config = _config(
-        tmp_path, glyphs_root, "e2e", "train.steps=6", "train.checkpoint_every=4", "train.eval_every=3"
+        tmp_path,
+        glyphs_root,
+        "e2e",
+        "train.steps=6",
+        "train.checkpoint_every=4",
+        "train.eval_every=3",
+        "mlflow.log_checkpoints=true",
     )  # evaluations off the checkpoint cadence: every rank must still checkpoint at the same steps
     outcome = launch(config)
     client = MlflowClient(outcome.tracking_uri)
@@ -93,7 +99,8 @@ def test_run_logs_then_resumes_into_the_same_mlflow_run(
         assert key in run.data.metrics, key
     assert 0.0 <= run.data.metrics["eval/test/recall_at_1"] <= 1.0
     files = _artifacts(client, outcome.mlflow_run_id)
-    assert {"config.yaml", "model/model.pt", "plots/training_curves.png"} <= files
+    assert {"config.yaml", "plots/training_curves.png"} <= files
+    assert set(outcome.models) == {"model", "best_model"}  # MLflow models (see test_serving_service.py)
     checkpoint = {"state.pt", "stream_rank0000.pt", "stream_rank0001.pt"}  # every rank's stream position
     assert {f"checkpoints/latest/{name}" for name in checkpoint} <= files
     assert {"plots/recall_at_k/step_0000006.png", "plots/retrievals/step_0000006.png"} <= files

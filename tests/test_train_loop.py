@@ -49,11 +49,13 @@ class LocalContext:
     def get_checkpoint(self) -> _Checkpoint | None:
         return _Checkpoint(self.restore_from) if self.restore_from else None
 
-    def report(self, metrics: dict[str, float], directory: str | None) -> None:
+    def report(self, metrics: dict[str, float], directory: str | None, upload: str = "sync") -> None:
         self.reports.append(metrics)
         if directory:
             target = self.root / f"checkpoint_{metrics['step']:04d}"
             shutil.copytree(directory, target)
+            if upload == "async":  # as Ray does once an asynchronous upload is done
+                shutil.rmtree(directory)
 
 
 def _setup(tmp_path: Path, glyphs: Path, *overrides: str) -> tuple[ExperimentConfig, str, str]:
@@ -86,6 +88,9 @@ def test_checkpoint_round_trip_continues_the_run(glyphs_root: Path, tmp_path: Pa
     loop = WorkerLoop(config, run_id, uri, first)
     loop.run()
     assert [r["step"] for r in first.reports] == [2, 4] and "eval/test/recall@1" in first.reports[-1]
+    # Only evaluated checkpoints carry a real score for Ray's best-checkpoint ranking.
+    assert first.reports[0]["checkpoint_score"] == float("-inf")
+    assert first.reports[1]["checkpoint_score"] == first.reports[1]["eval/test/recall@1"]
     final_weights = {k: v.clone() for k, v in loop.net.state_dict().items()}
 
     # A fresh loop restored from the step-2 checkpoint replays steps 3-4 from the same stream position.

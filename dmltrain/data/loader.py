@@ -329,10 +329,21 @@ class TrainLoader:
 
 
 class EvalStream(IterableDataset):
-    def __init__(self, urls: list[tuple[int, str, int]], batch_size: int, transform: Transform) -> None:
+    def __init__(
+        self,
+        urls: list[tuple[int, str, int]],
+        batch_size: int,
+        transform: Transform,
+        with_shards: bool = False,
+    ) -> None:
         """`urls`: (shard index, url, samples dataset.json lists) of each shard this rank reads."""
         super().__init__()
         self.urls, self.batch_size, self.transform = urls, batch_size, transform
+        self.with_shards = with_shards
+
+    def _emit(self, batch: list[Sample]) -> tuple[Any, ...]:
+        out = (*collate(batch, self.transform), [s.key for s in batch])
+        return (*out, [s.shard for s in batch]) if self.with_shards else out
 
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
         info = get_worker_info()
@@ -342,16 +353,17 @@ class EvalStream(IterableDataset):
             for sample in read_shard(url, shard=shard, expected=expected):
                 batch.append(sample)
                 if len(batch) == self.batch_size:
-                    yield (*collate(batch, self.transform), [s.key for s in batch])
+                    yield self._emit(batch)
                     batch = []
         if batch:
-            yield (*collate(batch, self.transform), [s.key for s in batch])
+            yield self._emit(batch)
 
 
 class EvalLoader:
     """Batches `(images, labels, categories, sample_keys)` of one split with the test transform; shard i
     goes to rank i mod world, so the union over ranks is the split exactly once. `rank_counts` gives
-    every rank's number of samples (from dataset.json) for padding an all-gather."""
+    every rank's number of samples (from dataset.json) for padding an all-gather. With `with_shards`
+    each batch also carries the shard index of every sample (an index's id map needs it)."""
 
     def __init__(
         self,
@@ -366,10 +378,12 @@ class EvalLoader:
         image_size: int = 224,
         resize: int | None = None,
         info: DatasetInfo | None = None,
+        with_shards: bool = False,
     ) -> None:
         self.root = str(root)
         self.info = info or load_dataset_info(root)
         self.split = split
+        self.with_shards = with_shards
         self.rank, self.world_size = resolve_rank(rank, world_size)
         shards = self.info.split(split).shards
         urls = self.info.shard_urls(self.root, split)
@@ -392,5 +406,5 @@ class EvalLoader:
         if not self._urls:
             return iter(())
         workers = min(self.num_workers, len(self._urls))
-        dataset = EvalStream(self._urls, self.batch_size, self.transform)
+        dataset = EvalStream(self._urls, self.batch_size, self.transform, self.with_shards)
         return iter(DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_as_is))

@@ -9,11 +9,14 @@ import math
 
 import torch
 
+from dmltrain.data.transforms import Transform, test_transform
 from dmltrain.losses import FastAPLoss, RankedListLoss, RankingLoss, SmoothAPLoss, TnSchedule, TripletLoss
-from dmltrain.models import EmbeddingNet, parameter_groups
+from dmltrain.models import EmbeddingNet, build_model, parameter_groups
 from dmltrain.service.config import (
+    ExperimentConfig,
     FastAPConfig,
     LossConfig,
+    ModelConfig,
     OptimConfig,
     RankedListConfig,
     SmoothAPConfig,
@@ -66,3 +69,15 @@ def build_tn_schedule(cfg: LossConfig, loss: RankingLoss) -> TnSchedule | None:
         assert isinstance(loss, RankedListLoss)
         return TnSchedule(loss, cfg.tn_schedule.start, cfg.tn_schedule.end, cfg.tn_schedule.steps)
     return None
+
+
+def build_test_transform(config: ExperimentConfig) -> Transform:
+    """The test-time resize + centre crop of a run: evaluation, the served MLflow model and `dmltrain index`
+    all take it from here, so they see images exactly alike."""
+    return test_transform(config.data.image_size, config.data.resize)
+
+
+def build_network(config: ModelConfig, pretrained: bool = True) -> EmbeddingNet:
+    """The run's embedding network; ``pretrained=False`` builds the architecture only (no weight download),
+    for loading a trained model file into it (evaluation, serving, indexing)."""
+    return build_model(config.backbone, config.embedding_dim, config.weights if pretrained else None)

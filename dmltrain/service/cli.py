@@ -104,15 +104,30 @@ def _run_train(args: argparse.Namespace) -> int:
     return run_main([args.config, *args.overrides])
 
 
+_MODEL_HELP = "a model.pt or MLflow model folder, runs:/<run_id>/model, or models:/<name>/<version>"
+
+
 def _register_evaluate(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Evaluate a trained model (the MLflow artifact model/model.pt) on a prepared data set with the data "
-        "set's protocol, in this process (no Ray). Prints the metrics as JSON."
+        "Evaluate a trained model on a prepared data set with the data set's protocol, in this process (no "
+        "Ray). Prints the metrics as JSON."
     )
-    parser.add_argument("model", help="model.pt written by a dmltrain run")
+    parser.add_argument("model", help=_MODEL_HELP)
     parser.add_argument("data_root", help="directory or URL with dataset.json and shards")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--max-images", type=int, default=None, help="cap per split for a quick look")
+    parser.add_argument(
+        "--index",
+        choices=["exact", "auto", "flat", "ivfpq", "hnsw"],
+        default=None,
+        help="exact ranking (default: the run's eval.index) or k-NN metrics from a faiss index of this kind",
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="MLflow store for runs:/ and models:/ (default: "
+        "$MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)",
+    )
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
@@ -121,11 +136,118 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     from dmltrain.service.evaluate_model import evaluate_saved_model
 
     try:
-        metrics = evaluate_saved_model(args.model, args.data_root, args.batch_size, args.max_images)
-    except (ValueError, FileNotFoundError) as exc:
+        metrics = evaluate_saved_model(
+            args.model,
+            args.data_root,
+            args.batch_size,
+            args.max_images,
+            tracking_uri=args.tracking_uri,
+            index=args.index,
+        )
+    except (ValueError, FileNotFoundError, KeyError) as exc:
         print(f"dmltrain evaluate: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(metrics, indent=2, sort_keys=True))
+    return 0
+
+
+def _register_index(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Embed a prepared split with a trained model and store a faiss index of it with its id map "
+        "(row -> shard, key, class). The kind follows the gallery size unless --kind says otherwise; a "
+        "run's model also gets the index logged to its MLflow run."
+    )
+    parser.add_argument("model", help=_MODEL_HELP)
+    parser.add_argument("data_root", help="directory or URL with dataset.json and shards")
+    parser.add_argument(
+        "--split", default=None, help="split to index (default: the first evaluation's gallery)"
+    )
+    parser.add_argument("--out", default=None, help="index directory (default: ./index_<dataset>_<split>)")
+    parser.add_argument("--kind", choices=["auto", "flat", "ivfpq", "hnsw"], default="auto")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--workers", type=int, default=0, help="image decoding processes")
+    parser.add_argument(
+        "--no-log", action="store_true", help="do not log the index to the model's MLflow run"
+    )
+    parser.add_argument("--tracking-uri", default=None, help="MLflow store for runs:/ and models:/")
+
+
+def _run_index(args: argparse.Namespace) -> int:
+    from dmltrain.service.serving.indexing import build_split_index
+
+    try:
+        target, meta = build_split_index(
+            args.model,
+            args.data_root,
+            args.split,
+            args.out,
+            kind=args.kind,
+            batch_size=args.batch_size,
+            workers=args.workers,
+            tracking_uri=args.tracking_uri,
+            log_to_run=not args.no_log,
+        )
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"dmltrain index: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{target}: {meta['ntotal']} images of {meta['dataset']}/{meta['split']}, {meta['description']}; "
+        f"embedded in {meta['embed_seconds']:.1f} s, built in {meta['build_seconds']:.1f} s"
+    )
+    if "logged_to" in meta:
+        print(f"logged to {meta['logged_to']}")
+    return 0
+
+
+def _register_search(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Print the nearest indexed images of each query image (and optionally a grid PNG)."
+    parser.add_argument(
+        "index", help="index directory from `dmltrain index` (or runs:/<run_id>/indexes/<name>)"
+    )
+    parser.add_argument("images", nargs="+", help="query image files (JPEG, PNG, WebP)")
+    parser.add_argument("-k", type=int, default=10, help="neighbours per query")
+    parser.add_argument("--model", default=None, help="embed queries with this model instead of the index's")
+    parser.add_argument("--grid", default=None, help="also write the queries and neighbours to this PNG")
+    parser.add_argument(
+        "--data-root", default=None, help="shards for --grid (default: the indexed data root)"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--tracking-uri", default=None, help="MLflow store for runs:/ and models:/")
+
+
+def _run_search(args: argparse.Namespace) -> int:
+    import json
+
+    from dmltrain.service.serving.indexing import open_index, render_grid, search_images
+
+    try:
+        stored = open_index(args.index, args.tracking_uri)
+        results, model = search_images(
+            stored, args.images, args.k, model_ref=args.model, tracking_uri=args.tracking_uri
+        )
+        if args.grid:
+            render_grid(stored, results, model, args.grid, args.data_root)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"dmltrain search: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([{"query": r.query, "neighbours": r.neighbours} for r in results], indent=2))
+        return 0
+    for result in results:
+        print(f"{result.query}")
+        print("  rank  score   id      shard  key                              class")
+        for rank, hit in enumerate(result.neighbours, 1):
+            label = (
+                f"{hit['class']} ({hit['class_name']})"
+                if hit["class_name"] is not None
+                else str(hit["class"])
+            )
+            print(
+                f"  {rank:>4}  {hit['score']:.4f}  {hit['id']:<6}  {hit['shard']:>5}  {hit['key']:<32} "
+                f"{label}"
+            )
+    if args.grid:
+        print(f"grid: {args.grid}")
     return 0
 
 
@@ -133,6 +255,8 @@ COMMANDS: dict[str, tuple[str, Register, Run]] = {
     "prepare": ("convert a data set into shards + dataset.json", _register_prepare, _run_prepare),
     "train": ("train on Ray with a config (python -m dmltrain.run)", _register_train, _run_train),
     "evaluate": ("evaluate a trained model on a prepared data set", _register_evaluate, _run_evaluate),
+    "index": ("build a faiss index of a prepared split with a trained model", _register_index, _run_index),
+    "search": ("nearest indexed images of query images", _register_search, _run_search),
 }
 
 

@@ -139,7 +139,27 @@ class TrainConfig(_Section):
     max_skipped_steps: int = Field(
         default=20, ge=0, description="Consecutive non-finite losses tolerated before the run fails."
     )
+    best_metric: str | None = Field(
+        default="auto",
+        description="Evaluation metric that ranks checkpoints, e.g. eval/test/map@r; auto = the first "
+        "evaluation's recall@1; null = keep the latest checkpoints only.",
+    )
+    best_mode: Literal["max", "min"] = Field(
+        default="max", description="Whether a higher best_metric is better."
+    )
+    early_stopping_patience: int | None = Field(
+        default=None, ge=1, description="Stop after this many evaluations without a new best; null = never."
+    )
+    early_stopping_min_delta: float = Field(
+        default=0.0, ge=0, description="Improvement of best_metric that counts as a new best."
+    )
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_best(self) -> TrainConfig:
+        if self.early_stopping_patience is not None and self.best_metric is None:
+            raise ValueError("early_stopping_patience needs train.best_metric (the metric it watches)")
+        return self
 
 
 class EvalConfig(_Section):
@@ -147,6 +167,18 @@ class EvalConfig(_Section):
     batch_size: int = Field(default=128, ge=1)
     max_images: int | None = Field(default=None, ge=2, description="Cap for quick checks; None = all.")
     grid_queries: int = Field(default=8, ge=0, description="Queries in the retrieval-grid plot.")
+    index: Literal["exact", "auto", "flat", "ivfpq", "hnsw"] = Field(
+        default="exact",
+        description="exact: blocked matmul ranking (every metric incl. full mAP); a faiss kind: k-NN metrics "
+        "from that index plus its neighbour recall against exact search; auto: exact up to "
+        "exact_max_gallery rows, else ivfpq.",
+    )
+    exact_max_gallery: int = Field(default=1_000_000, ge=1, description="eval.index=auto: exact up to here.")
+    index_recall_queries: int = Field(
+        default=1000,
+        ge=1,
+        description="Queries sampled to measure an approximate index against exact search.",
+    )
 
 
 class ScalingConfigSection(_Section):
@@ -168,7 +200,12 @@ class RunSection(_Section):
     name: str = Field(description="Ray Train run name: relaunching with the same name resumes.")
     storage_path: str = Field(default="./ray_results", description="Shared storage for Ray checkpoints.")
     max_failures: int = Field(default=3, ge=-1, description="Worker-group restarts from the last checkpoint.")
-    keep_checkpoints: int = Field(default=2, ge=1)
+    keep_checkpoints: int = Field(
+        default=2, ge=1, description="Checkpoints Ray keeps: the best by train.best_metric, plus the latest."
+    )
+    checkpoint_upload: Literal["async", "sync"] = Field(
+        default="async", description="async: training continues while Ray copies a checkpoint to storage."
+    )
     resume: Literal["auto", "never", "must"] = Field(
         default="auto",
         description="Relaunch with an existing run.name: auto resumes only if nothing but length/cadence "
@@ -181,7 +218,14 @@ class MlflowSection(_Section):
         default=None, description="None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd."
     )
     experiment: str = "dmltrain"
-    log_checkpoints: bool = True
+    log_checkpoints: bool = Field(
+        default=False,
+        description="Also copy every checkpoint (optimizer state included) to MLflow; the final and best "
+        "models are logged either way.",
+    )
+    register_as: str | None = Field(
+        default=None, description="Register the finished run's model under this name in the model registry."
+    )
 
 
 class ExperimentConfig(_Section):

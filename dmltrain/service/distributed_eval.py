@@ -19,7 +19,9 @@ from tqdm import tqdm
 from dmltrain.data import DatasetInfo, EvalLoader
 from dmltrain.distributed import all_gather_objects, all_gather_sizes, all_gather_uneven, broadcast_object
 from dmltrain.evaluation import nearest_neighbors, retrieval_metrics
-from dmltrain.models import normalize_images
+from dmltrain.index import approximate_retrieval_metrics
+from dmltrain.inference import embed_batch
+from dmltrain.service.builders import build_test_transform
 
 if TYPE_CHECKING:
     from dmltrain.service.config import ExperimentConfig
@@ -64,8 +66,7 @@ def embed_split(
         rank=rank,
         world_size=world,
         num_workers=config.data.loader_workers,
-        image_size=config.data.image_size,
-        resize=config.data.resize,
+        transform=build_test_transform(config),
         info=info,
     )
     was_training = net.training
@@ -79,9 +80,7 @@ def embed_split(
     for images, batch_labels, _categories, _keys in loader:
         if limit is not None and seen >= limit // world:
             break
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            out = net(normalize_images(images.to(device, non_blocking=True)))
-        chunks.append(out.float())
+        chunks.append(embed_batch(net, images, device, autocast_dtype))
         labels.append(batch_labels)
         if keep_thumbnails:
             thumbs.append(_thumbnail(images))
@@ -106,6 +105,32 @@ def embed_split(
     )
 
 
+def index_kind(config: ExperimentConfig, gallery_size: int) -> str:
+    """``exact`` (ranked by blocked matmuls, every metric) or the faiss kind to evaluate with."""
+    kind = config.eval.index
+    if kind == "auto":
+        return "exact" if gallery_size <= config.eval.exact_max_gallery else "ivfpq"
+    return kind
+
+
+def _metrics(config: ExperimentConfig, q: EmbeddedSplit, g: EmbeddedSplit | None) -> dict[str, float]:
+    """Exact metrics, or k-NN metrics from a faiss index with its recall against exact search."""
+    gallery = q if g is None else g
+    kind = index_kind(config, len(gallery.labels))
+    g_emb, g_lab = (None, None) if g is None else (g.embeddings, g.labels)
+    if kind == "exact":
+        return retrieval_metrics(q.embeddings, q.labels, g_emb, g_lab, config.eval.ks)
+    return approximate_retrieval_metrics(
+        q.embeddings,
+        q.labels,
+        g_emb,
+        g_lab,
+        config.eval.ks,
+        kind=kind,  # type: ignore[arg-type]
+        recall_queries=config.eval.index_recall_queries,
+    )
+
+
 def _gather_thumbnails(wanted: list[int], mine: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
     """Rank 0 names the rows the grid shows; every rank contributes the ones it holds."""
     wanted = broadcast_object(wanted)
@@ -127,7 +152,6 @@ def evaluate(
     """Run the dataset's evaluations (dataset.json ``evaluations``); rank 0 returns and plots metrics."""
     from dmltrain.plots import recall_at_k_curve
 
-    ks = config.eval.ks
     want_grid = config.eval.grid_queries > 0
     splits = {s for ev in info.evaluations for s in (ev.query, ev.gallery) if s is not None}
     embedded = {
@@ -140,13 +164,7 @@ def evaluate(
         q = embedded[ev.query]
         g = embedded[ev.gallery] if ev.gallery else None
         if rank == 0:
-            result = retrieval_metrics(
-                q.embeddings,
-                q.labels,
-                None if g is None else g.embeddings,
-                None if g is None else g.labels,
-                ks,
-            )
+            result = _metrics(config, q, g)
             curves[ev.name] = result
             metrics.update({f"eval/{ev.name}/{k}": v for k, v in result.items()})
     if want_grid:

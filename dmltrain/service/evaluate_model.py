@@ -1,38 +1,38 @@
-"""Evaluate a finished model outside training: one process, no Ray, no MLflow.
+"""Evaluate a finished model outside training: one process, no Ray.
 
-A run's final artifact ``model/model.pt`` holds the weights and the resolved config, so the network and the
-image size are rebuilt exactly as trained; only the data location changes.
+The model is found by reference (a local ``model.pt`` or MLflow model folder, ``runs:/`` or ``models:/``);
+its weights file holds the resolved config, so the network and the image size are rebuilt exactly as trained;
+only the data location changes.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from dmltrain.data import load_dataset_info
-from dmltrain.models import build_model
 from dmltrain.service.config import ExperimentConfig
 from dmltrain.service.distributed_eval import evaluate
+from dmltrain.service.serving.loading import load_embedding_model
 
 
 def evaluate_saved_model(
-    model_file: str | Path, data_root: str, batch_size: int = 128, max_images: int | None = None
+    model: str | Path,
+    data_root: str,
+    batch_size: int = 128,
+    max_images: int | None = None,
+    *,
+    tracking_uri: str | None = None,
+    index: str | None = None,
 ) -> dict[str, float]:
-    """Recall@K, mAP, MAP@R and R-precision of ``model_file`` on every evaluation ``data_root`` defines."""
-    path = Path(model_file)
-    if not path.is_file():
-        raise FileNotFoundError(f"model file not found: {path}")
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(saved, dict) or "model" not in saved or "config" not in saved:
-        raise ValueError(f"{path} is not a dmltrain model file (expected keys 'model' and 'config')")
-    raw = saved["config"]
+    """Recall@K, mAP, MAP@R and R-precision of ``model`` on every evaluation ``data_root`` defines.
+
+    ``index`` overrides ``eval.index`` (``exact``, ``auto`` or a faiss kind for approximate search)."""
+    loaded = load_embedding_model(str(model), tracking_uri)
+    raw = loaded.config.model_dump(mode="json")
     raw["data"] = {**raw["data"], "root": data_root, "prepare": None, "loader_workers": 0}
     raw["eval"] = {**raw["eval"], "batch_size": batch_size, "max_images": max_images, "grid_queries": 0}
+    if index is not None:
+        raw["eval"]["index"] = index
     config = ExperimentConfig.model_validate(raw)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    net = build_model(config.model.backbone, config.model.embedding_dim)
-    net.load_state_dict(saved["model"])
-    net.to(device)
     info = load_dataset_info(data_root)
-    return evaluate(net, config, info, device, rank=0, world=1, logger=None, step=0)
+    return evaluate(loaded.net, config, info, loaded.device, rank=0, world=1, logger=None, step=0)

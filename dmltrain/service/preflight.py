@@ -14,6 +14,7 @@ import importlib.util
 from dmltrain.data import DatasetInfo, SamplerSpec, ensure_glyphs, load_dataset_info
 from dmltrain.data.loader import TrainPlan
 from dmltrain.models import check_model
+from dmltrain.service.best import resolve_best_metric
 from dmltrain.service.config import ConfigError, ExperimentConfig
 
 INSTALL_HINT = "pip install 'dmltrain[cpu]' (or 'dmltrain[gpu]' on CUDA machines; '.[cpu]' from a checkout)"
@@ -52,6 +53,10 @@ def check_data(config: ExperimentConfig, info: DatasetInfo) -> None:
         )
     if not info.evaluations:
         raise ConfigError(f"data.root={config.data.root}: dataset.json lists no evaluations to run")
+    try:
+        resolve_best_metric(config.train.best_metric, [e.name for e in info.evaluations], config.eval.ks)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     try:
         spec = SamplerSpec.from_config(config.sampler)
         # Identical on every rank (workers build the same plan), so once here stands for all of them.

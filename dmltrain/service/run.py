@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,8 @@ class RunOutcome:
     resumed: bool
     checkpoint_path: str | None
     metrics: dict[str, float]
+    models: dict[str, str] = field(default_factory=dict)  # MLflow artifact name -> model URI
+    registered: str | None = None  # models:/<name>/<version> when mlflow.register_as is set
 
 
 def resolve_paths(config: ExperimentConfig, base: Path | None = None) -> ExperimentConfig:
@@ -218,7 +220,9 @@ def launch(config: ExperimentConfig) -> RunOutcome:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from dmltrain.service.best import SCORE_KEY
     from dmltrain.service.callbacks import StopOnFatalError
+    from dmltrain.service.serving.publish import publish_run_models
     from dmltrain.service.train import train_loop_per_worker
 
     check_config(config)
@@ -280,7 +284,12 @@ def launch(config: ExperimentConfig) -> RunOutcome:
         run_config=RunConfig(
             name=config.run.name,
             storage_path=config.run.storage_path,
-            checkpoint_config=CheckpointConfig(num_to_keep=config.run.keep_checkpoints),
+            # Ray keeps the keep_checkpoints best by the reported score, plus always the latest.
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=config.run.keep_checkpoints,
+                checkpoint_score_attribute=SCORE_KEY if config.train.best_metric else None,
+                checkpoint_score_order=config.train.best_mode,
+            ),
             failure_config=FailureConfig(max_failures=config.run.max_failures),
             callbacks=[StopOnFatalError()],
         ),
@@ -295,12 +304,16 @@ def launch(config: ExperimentConfig) -> RunOutcome:
             raise
         if result.error is not None:
             raise result.error
+        published = publish_run_models(result, config, tracking_uri, run_id)
     set_run_status(tracking_uri, run_id, "FINISHED")
     metrics = {
         metric_name(k): float(v) for k, v in (result.metrics or {}).items() if isinstance(v, int | float)
     }
     checkpoint = result.checkpoint.path if result.checkpoint else None
-    return RunOutcome(run_id, tracking_uri, existing is not None, checkpoint, metrics)
+    models = {name: uri for name, (uri, _step) in published.models.items()}
+    return RunOutcome(
+        run_id, tracking_uri, existing is not None, checkpoint, metrics, models, published.registered
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     summary = ", ".join(f"{k}={v:.4f}" for k, v in sorted(outcome.metrics.items()) if k.startswith("eval/"))
     print(f"run finished: MLflow run {outcome.mlflow_run_id} in {outcome.tracking_uri}; {summary}")
+    for name in outcome.models:
+        print(f"  {name}: runs:/{outcome.mlflow_run_id}/{name}")
+    if outcome.registered:
+        print(f"  registered: {outcome.registered}")
     return 0
 
 

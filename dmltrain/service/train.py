@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
-from dmltrain.distributed import all_gather_objects
+from dmltrain.distributed import all_gather_objects, broadcast_object
 from dmltrain.engine import default_autocast_dtype, global_batch_step
 from dmltrain.models import EmbeddingNet, build_model, normalize_images
+from dmltrain.service.best import SCORE_KEY, BestTracker, resolve_best_metric, worst_score
 from dmltrain.service.builders import build_loss, build_optimizer, build_scheduler, build_tn_schedule
 from dmltrain.service.checkpoints import (
     TrainingState,
@@ -160,6 +161,19 @@ class WorkerLoop:
             else (torch.bfloat16 if config.train.precision == "bf16" else None)
         )
         self.counters = _Counters()
+        best_metric = resolve_best_metric(
+            config.train.best_metric, [e.name for e in self.info.evaluations], config.eval.ks
+        )
+        self.best = (
+            BestTracker(
+                best_metric,
+                config.train.best_mode,
+                config.train.early_stopping_min_delta,
+                config.train.early_stopping_patience,
+            )
+            if best_metric
+            else None
+        )
         self.step = 0
         self.logger = RunLogger(tracking_uri, run_id) if self.rank == 0 else None
         self._restore()
@@ -180,6 +194,8 @@ class WorkerLoop:
         self.counters.load_state_dict(state.counters)
         if self.tn_schedule is not None:
             self.tn_schedule.load_state_dict(state.extra["tn_schedule"])
+        if self.best is not None:
+            self.best.load_state_dict(state.extra.get("best"))
         try:
             if stream_state is None:
                 raise ValueError(f"the checkpoint has no stream state for rank {self.rank}")
@@ -190,12 +206,21 @@ class WorkerLoop:
 
     def _checkpoint(self, metrics: dict[str, float]) -> None:
         """Every rank reports (a barrier in Ray Train); rank 0 writes the whole state, including every
-        rank's stream position, so the Ray checkpoint and its MLflow copy are both complete."""
+        rank's stream position, so the Ray checkpoint and its MLflow copy are both complete.
+
+        The report carries ``checkpoint_score`` (the best metric if this step was evaluated, else the worst
+        value) for Ray's best-checkpoint bookkeeping. With asynchronous upload Ray copies the directory to
+        storage in the background and then deletes it, so MLflow's optional copy is taken first."""
         streams = all_gather_objects(self.stream.state_dict())
+        upload = self.config.run.checkpoint_upload
+        report = {"step": self.step, **metrics}
+        if self.best is not None:
+            report[SCORE_KEY] = float(metrics.get(self.best.metric, worst_score(self.best.mode)))
         if self.rank != 0:
-            self.ray.report({"step": self.step, **metrics}, None)
+            self.ray.report(report, None, upload)
             return
-        with tempfile.TemporaryDirectory() as directory:
+        directory = tempfile.mkdtemp(prefix="dmltrain-ckpt-")
+        try:
             for rank, stream in enumerate(streams):
                 save_stream_state(directory, rank, stream)
             save_state(
@@ -207,13 +232,42 @@ class WorkerLoop:
                     scheduler=self.scheduler.state_dict(),
                     counters=self.counters.state_dict(),
                     world_size=self.world,
-                    extra={"tn_schedule": self.tn_schedule.state_dict() if self.tn_schedule else None},
+                    extra={
+                        "tn_schedule": self.tn_schedule.state_dict() if self.tn_schedule else None,
+                        "best": self.best.state_dict() if self.best else None,
+                    },
                 ),
             )
-            self.ray.report({"step": self.step, **metrics}, directory)
             if self.logger is not None and self.config.mlflow.log_checkpoints:
                 self.logger.log_directory(directory, "checkpoints/latest")
+            self.ray.report(report, directory, upload)
+            if self.logger is not None:  # the Ray checkpoint's step, whether or not MLflow has a copy
                 self.logger.set_tag(CHECKPOINT_STEP_TAG, str(self.step))
+        finally:
+            if upload == "sync":  # async: Ray deletes the directory once it is uploaded
+                shutil.rmtree(directory, ignore_errors=True)
+
+    def _judge(self, metrics: dict[str, float]) -> bool:
+        """Rank 0 scores an evaluation against the best so far; every rank learns whether to stop."""
+        stop = False
+        if self.rank == 0 and self.best is not None:
+            if self.best.update(metrics, self.step):
+                log.info("step %d: new best %s = %.4f", self.step, self.best.metric, self.best.score)
+                if self.logger is not None:
+                    self.logger.set_tag("dmltrain.best_step", str(self.step))
+            stop = self.best.should_stop
+            if stop:
+                log.info(
+                    "early stopping at step %d: %d evaluations without a better %s (best %.4f at step %d)",
+                    self.step,
+                    self.best.stale,
+                    self.best.metric,
+                    self.best.score,
+                    self.best.step,
+                )
+                if self.logger is not None:
+                    self.logger.set_tag("dmltrain.early_stopped_at_step", str(self.step))
+        return bool(broadcast_object(stop))
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self) -> dict[str, float]:
@@ -329,9 +383,12 @@ class WorkerLoop:
             evaluate_now = last or self.step % cfg.eval_every == 0
             evaluated = self._evaluate() if evaluate_now else {}  # metrics on rank 0 only
             self._log(evaluated)
+            stop = evaluate_now and self.best is not None and self._judge(evaluated)
             # Decided from the step alone, so every rank reaches Ray's report barrier at the same step.
             if evaluate_now or self.step % cfg.checkpoint_every == 0:
                 self._checkpoint(evaluated)
+            if stop:
+                break
         if self.logger is not None:
             self._finish()
 
@@ -340,7 +397,8 @@ class WorkerLoop:
             self.logger.log_metrics(metrics, self.step)
 
     def _finish(self) -> None:
-        """Rank 0: training curves from the full MLflow history (it survives restarts) and the model."""
+        """Rank 0: training curves from the full MLflow history (it survives restarts). The driver logs the
+        final and best models from Ray's checkpoints once the run is over (dmltrain.service.serving)."""
         from dmltrain.plots import training_curves
 
         assert self.logger is not None
@@ -350,10 +408,6 @@ class WorkerLoop:
         if steps:
             series = {label: [h.get(s, float("nan")) for s in steps] for label, h in histories.items()}
             self.logger.log_figure(training_curves(steps, series), "plots/training_curves.png")
-        with tempfile.TemporaryDirectory() as directory:
-            path = os.path.join(directory, "model.pt")
-            torch.save({"model": self.net.state_dict(), "config": self.config.model_dump(mode="json")}, path)
-            self.logger.log_file(path, "model")
 
 
 @dataclass
@@ -374,11 +428,14 @@ class _RayContext:
 
         return ray.train.get_checkpoint()
 
-    def report(self, metrics: dict[str, float], directory: str | None) -> None:
+    def report(self, metrics: dict[str, float], directory: str | None, upload: str = "sync") -> None:
         import ray.train
 
         checkpoint = ray.train.Checkpoint.from_directory(directory) if directory else None
-        ray.train.report(metrics, checkpoint=checkpoint)
+        mode = (
+            ray.train.CheckpointUploadMode.ASYNC if upload == "async" else ray.train.CheckpointUploadMode.SYNC
+        )
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=mode)
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:

@@ -1,0 +1,460 @@
+"""faiss indexes over L2-normalised embeddings: build one sized to the gallery, search it, store it.
+
+Similarity is the inner product (= cosine for unit vectors) everywhere. The kind is chosen by gallery size:
+
+- ``flat``: exact search (``IndexFlatIP``), for galleries up to ``EXACT_LIMIT`` rows, where a brute-force
+  scan is fast enough and nothing is lost;
+- ``ivfpq``: an inverted file over ``nlist ~ sqrt(n)`` k-means cells with product-quantised codes, ``nprobe``
+  cells scanned per query, then the best ``refine x k`` candidates re-ranked exactly against the stored
+  vectors (``IndexRefineFlat``) — the default for large galleries. On CPU the codes are 4-bit fast-scan
+  (``PQ{m}x4fs``: SIMD lookups, and training 16 centroids per sub-space instead of 256, which costs minutes
+  at 8 bits on a small machine); with a GPU they are 8-bit (``PQ{m}x8``), the form faiss-gpu builds;
+- ``hnsw``: a graph index (``IndexHNSWFlat``, ``M`` links per node, ``efConstruction``/``efSearch``), high
+  recall without training, CPU only in faiss.
+
+A GPU is used where faiss sees one (faiss-gpu installed): flat search runs there, and IVF-PQ is trained and
+filled there; what is stored is always the CPU form, so an index built on a GPU loads anywhere. The id map
+(row -> shard, key, class) travels beside the index; nothing here imports torch, Ray or MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+__all__ = [
+    "EXACT_LIMIT",
+    "EmbeddingIndex",
+    "IdMap",
+    "IndexSpec",
+    "StoredIndex",
+    "approximate_retrieval_metrics",
+    "build_index",
+    "choose_spec",
+    "exact_knn",
+    "load_index",
+    "neighbour_recall",
+    "save_index",
+]
+
+IndexKind = Literal["auto", "flat", "ivfpq", "hnsw"]
+
+# Up to this many gallery rows an exact scan is cheap (1M x 128 floats = 512 MB; a query costs n x d flops).
+EXACT_LIMIT = 250_000
+INDEX_FILE = "index.faiss"
+IDS_FILE = "ids.npz"
+META_FILE = "index.json"
+FORMAT_VERSION = 1
+
+
+def _faiss() -> Any:
+    import faiss
+
+    return faiss
+
+
+def gpu_count() -> int:
+    """GPUs faiss can use (0 with faiss-cpu)."""
+    faiss = _faiss()
+    return int(faiss.get_num_gpus()) if hasattr(faiss, "get_num_gpus") else 0
+
+
+# ------------------------------------------------------------------------------------------------- spec
+@dataclass(frozen=True)
+class IndexSpec:
+    """What to build, with every parameter stated (stored in index.json and printed by the CLI)."""
+
+    kind: Literal["flat", "ivfpq", "hnsw"]
+    nlist: int = 0  # ivfpq: k-means cells
+    m: int = 0  # ivfpq: PQ sub-quantisers
+    nbits: int = 4  # ivfpq: bits per sub-quantiser code (4 = fast-scan on CPU, 8 on GPU)
+    nprobe: int = 0  # ivfpq: cells scanned per query
+    refine: int = 0  # ivfpq: re-rank refine x k candidates exactly (0 = no re-ranking)
+    train_size: int = 0  # ivfpq: vectors k-means and PQ are trained on
+    hnsw_m: int = 0  # hnsw: links per node
+    ef_construction: int = 0  # hnsw
+    ef_search: int = 0  # hnsw: candidate list length per query
+
+    def describe(self) -> str:
+        if self.kind == "flat":
+            return "flat (exact inner product)"
+        if self.kind == "ivfpq":
+            refine = f", exact re-rank of {self.refine}k candidates" if self.refine else ""
+            return f"{self.factory()} (nprobe {self.nprobe}, trained on {self.train_size} vectors{refine})"
+        return f"HNSW{self.hnsw_m} (efConstruction {self.ef_construction}, efSearch {self.ef_search})"
+
+    def factory(self) -> str:
+        """faiss index_factory string of the IVF-PQ base (``np``: no polysemous training, slow and unused)."""
+        codes = f"PQ{self.m}x4fs" if self.nbits == 4 else f"PQ{self.m}x{self.nbits}np"
+        return f"IVF{self.nlist},{codes}"
+
+
+def _pq_subquantizers(dim: int, nbits: int) -> int:
+    """Largest divisor of ``dim`` up to 64 with 2 dimensions per 4-bit code or 4 per 8-bit code (even for
+    fast-scan; 64 bytes at most keeps 8-bit codes within faiss-gpu's limits)."""
+    per_code = 2 if nbits == 4 else 4
+    limit = max(1, min(64, dim // per_code))
+    fits = [m for m in range(1, limit + 1) if dim % m == 0 and (nbits != 4 or m % 2 == 0)]
+    if not fits:
+        raise ValueError(f"no product quantiser fits dimension {dim} with {nbits}-bit codes")
+    return max(fits)
+
+
+def choose_spec(
+    n: int, dim: int, kind: IndexKind = "auto", *, exact_limit: int = EXACT_LIMIT, **overrides: int
+) -> IndexSpec:
+    """The index for ``n`` vectors of ``dim``: exact up to ``exact_limit`` rows, else IVF-PQ (``auto``).
+
+    Parameters: ``nlist`` the power of two nearest sqrt(n) with at least 39 training vectors per cell
+    (faiss's rule; more cells make k-means the cost of a build on CPU), ``nprobe = nlist / 8`` (at least
+    16), re-ranking 4k candidates; HNSW32 with efConstruction 80 and efSearch 128. ``overrides`` replace any
+    field (e.g. ``nprobe=64``). The measured speed and recall are in bench/index.py's table (README).
+    """
+    if n < 1 or dim < 1:
+        raise ValueError(f"cannot index {n} vectors of dimension {dim}")
+    if kind == "auto":
+        kind = "flat" if n <= exact_limit else "ivfpq"
+    if kind == "flat":
+        spec = IndexSpec("flat")
+    elif kind == "ivfpq":
+        nlist = 2 ** round(math.log2(max(1.0, math.sqrt(n))))
+        nlist = int(max(1, min(nlist, n // 39, 65536)))
+        nbits = overrides.get("nbits", 8 if gpu_count() > 0 else 4)
+        spec = IndexSpec(
+            "ivfpq",
+            nlist=nlist,
+            m=_pq_subquantizers(dim, nbits),
+            nbits=nbits,
+            nprobe=min(nlist, max(16, nlist // 8)),
+            refine=4,
+            train_size=int(min(n, max(39 * nlist, 2**16))),
+        )
+    elif kind == "hnsw":
+        spec = IndexSpec("hnsw", hnsw_m=32, ef_construction=80, ef_search=128)
+    else:
+        raise ValueError(f"unknown index kind {kind!r}; expected auto, flat, ivfpq or hnsw")
+    if overrides:
+        unknown = set(overrides) - set(IndexSpec.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown index parameter(s) {sorted(unknown)}")
+        spec = replace(spec, **overrides)
+    if spec.kind == "ivfpq" and (dim % spec.m or spec.nlist < 1 or spec.nprobe < 1):
+        raise ValueError(f"invalid IVF-PQ parameters for dimension {dim}: {spec}")
+    return spec
+
+
+# ------------------------------------------------------------------------------------------------ build
+def _as_float32(x: Any, name: str) -> np.ndarray:
+    a = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+    if a.ndim != 2 or a.shape[0] == 0 or a.shape[1] == 0:
+        raise ValueError(f"{name} must be a non-empty 2-D array (n, dim), got shape {a.shape}")
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name} contains NaN or inf")
+    return a
+
+
+@dataclass
+class EmbeddingIndex:
+    """A built faiss index (CPU form, plus a GPU copy where one is used) and what it was built as."""
+
+    index: Any
+    spec: IndexSpec
+    dim: int
+    build_seconds: float = 0.0
+    _device_index: Any = field(default=None, repr=False)
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.index.ntotal)
+
+    def _searcher(self) -> Any:
+        if self._device_index is None:
+            self._device_index = _maybe_to_gpu(self.index, self.spec)
+        return self._device_index
+
+    def search(self, queries: Any, k: int, *, chunk_size: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+        """``(similarities, ids)``, each (num_queries, k), best first; id -1 where fewer than k exist."""
+        q = _as_float32(queries, "queries")
+        if q.shape[1] != self.dim:
+            raise ValueError(f"queries have dimension {q.shape[1]} but the index holds {self.dim}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        searcher = self._searcher()
+        sims = np.empty((len(q), k), dtype=np.float32)
+        ids = np.empty((len(q), k), dtype=np.int64)
+        for lo in range(0, len(q), chunk_size):
+            s, i = searcher.search(q[lo : lo + chunk_size], k)
+            sims[lo : lo + chunk_size], ids[lo : lo + chunk_size] = s, i
+        return sims, ids
+
+
+def _maybe_to_gpu(index: Any, spec: IndexSpec) -> Any:
+    """Flat and un-refined IVF-PQ indexes search on every GPU faiss sees; others stay on the CPU."""
+    if gpu_count() == 0 or spec.kind == "hnsw" or (spec.kind == "ivfpq" and (spec.refine or spec.nbits != 8)):
+        return index
+    return _faiss().index_cpu_to_all_gpus(index)
+
+
+def build_index(
+    embeddings: Any,
+    spec: IndexSpec | IndexKind = "auto",
+    *,
+    seed: int = 0,
+    add_chunk: int = 1 << 16,
+) -> EmbeddingIndex:
+    """Build the index ``spec`` describes (or choose one with :func:`choose_spec`) over ``embeddings``.
+
+    Rows are added in order, so the index id of a row is its position in ``embeddings``. IVF-PQ trains on a
+    seeded random sample of ``spec.train_size`` rows.
+    """
+    faiss = _faiss()
+    x = _as_float32(embeddings, "embeddings")
+    n, dim = x.shape
+    if not isinstance(spec, IndexSpec):
+        spec = choose_spec(n, dim, spec)
+    started = time.perf_counter()
+    ip = faiss.METRIC_INNER_PRODUCT
+    if spec.kind == "flat":
+        index = faiss.IndexFlatIP(dim)
+        index.add(x)
+    elif spec.kind == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, spec.hnsw_m, ip)
+        index.hnsw.efConstruction = spec.ef_construction
+        index.hnsw.efSearch = spec.ef_search
+        for lo in range(0, n, add_chunk):
+            index.add(x[lo : lo + add_chunk])
+    else:
+        base = faiss.index_factory(dim, spec.factory(), ip)
+        sample = x
+        if spec.train_size < n:
+            rows = np.sort(np.random.default_rng(seed).choice(n, spec.train_size, replace=False))
+            sample = x[rows]
+        trained = base
+        if (
+            gpu_count() > 0 and spec.nbits == 8
+        ):  # k-means and encoding are the costly part: do them on the GPU when possible
+            trained = faiss.index_cpu_to_all_gpus(base)
+        trained.train(sample)
+        for lo in range(0, n, add_chunk):
+            trained.add(x[lo : lo + add_chunk])
+        base = faiss.index_gpu_to_cpu(trained) if trained is not base else base
+        faiss.extract_index_ivf(base).nprobe = spec.nprobe
+        index = base
+        if spec.refine:  # the exact copies the re-ranking reads; the base index is already filled
+            index = faiss.IndexRefineFlat(base, faiss.swig_ptr(x))
+            index.k_factor = float(spec.refine)
+    return EmbeddingIndex(index, spec, dim, build_seconds=time.perf_counter() - started)
+
+
+def _reapply_search_params(index: Any, spec: IndexSpec) -> None:
+    """faiss stores nprobe/efSearch with the index; make a loaded index follow the stated spec."""
+    faiss = _faiss()
+    if spec.kind == "hnsw":
+        faiss.downcast_index(index).hnsw.efSearch = spec.ef_search
+    elif spec.kind == "ivfpq":
+        faiss.extract_index_ivf(index).nprobe = spec.nprobe
+        if spec.refine:
+            faiss.downcast_index(index).k_factor = float(spec.refine)
+
+
+# -------------------------------------------------------------------------------------- exact reference
+def exact_knn(queries: Any, gallery: Any, k: int, *, chunk_size: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k by inner product (faiss brute force, a GPU when faiss sees one): the reference that
+    approximate indexes are measured against."""
+    g = _as_float32(gallery, "gallery")
+    return build_index(g, IndexSpec("flat")).search(queries, min(k, len(g)), chunk_size=chunk_size)
+
+
+def neighbour_recall(approx_ids: np.ndarray, exact_ids: np.ndarray) -> float:
+    """Mean share of each query's exact top-k found among its approximate top-k (faiss's k-recall@k)."""
+    a, e = np.asarray(approx_ids), np.asarray(exact_ids)
+    if a.shape != e.shape or a.ndim != 2 or a.size == 0:
+        raise ValueError(f"id arrays must have one equal 2-D shape, got {a.shape} and {e.shape}")
+    hits = sum(len(np.intersect1d(a[i][a[i] >= 0], e[i][e[i] >= 0])) for i in range(len(a)))
+    return float(hits / max(1, int((e >= 0).sum())))
+
+
+# ----------------------------------------------------------------------------------------------- id map
+@dataclass
+class IdMap:
+    """Where each indexed row came from: shard index in its split, sample key, class id."""
+
+    shard: np.ndarray  # int32 (n,)
+    key: np.ndarray  # str (n,)
+    label: np.ndarray  # int64 (n,)
+
+    def __post_init__(self) -> None:
+        self.shard = np.asarray(self.shard, dtype=np.int32)
+        self.key = np.asarray(self.key, dtype=str)
+        self.label = np.asarray(self.label, dtype=np.int64)
+        if not len(self.shard) == len(self.key) == len(self.label):
+            raise ValueError("id map columns differ in length")
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def row(self, i: int) -> dict[str, Any]:
+        return {
+            "id": int(i),
+            "shard": int(self.shard[i]),
+            "key": str(self.key[i]),
+            "class": int(self.label[i]),
+        }
+
+
+@dataclass
+class StoredIndex:
+    """An index directory read back: the index, its id map and its metadata (``index.json``)."""
+
+    index: EmbeddingIndex
+    ids: IdMap
+    meta: dict[str, Any]
+
+    def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.index.search(queries, k)
+
+
+def save_index(
+    directory: str | os.PathLike[str], index: EmbeddingIndex, ids: IdMap, meta: Mapping[str, Any]
+) -> Path:
+    """Write ``index.faiss`` (CPU form), ``ids.npz`` and ``index.json`` (spec, sizes, ``meta``)."""
+    faiss = _faiss()
+    if len(ids) != index.ntotal:
+        raise ValueError(f"the id map has {len(ids)} rows but the index holds {index.ntotal}")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    faiss.write_index(index.index, str(out / INDEX_FILE))
+    np.savez(out / IDS_FILE, shard=ids.shard, key=ids.key, label=ids.label)
+    record = {
+        "format_version": FORMAT_VERSION,
+        "spec": asdict(index.spec),
+        "description": index.spec.describe(),
+        "ntotal": index.ntotal,
+        "dim": index.dim,
+        "build_seconds": round(index.build_seconds, 3),
+        "faiss_version": getattr(faiss, "__version__", "unknown"),
+        **dict(meta),
+    }
+    (out / META_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
+    return out
+
+
+def load_index(directory: str | os.PathLike[str]) -> StoredIndex:
+    """Read an index directory written by :func:`save_index`; errors name the missing or mismatched file."""
+    faiss = _faiss()
+    root = Path(directory)
+    for name in (INDEX_FILE, IDS_FILE, META_FILE):
+        if not (root / name).is_file():
+            raise FileNotFoundError(f"{root} is not a dmltrain index: {name} is missing")
+    meta = json.loads((root / META_FILE).read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{root / META_FILE}: format_version {meta.get('format_version')} != {FORMAT_VERSION}"
+        )
+    spec = IndexSpec(**meta["spec"])
+    raw = faiss.read_index(str(root / INDEX_FILE))
+    _reapply_search_params(raw, spec)
+    with np.load(root / IDS_FILE, allow_pickle=False) as data:
+        ids = IdMap(data["shard"], data["key"], data["label"])
+    if len(ids) != raw.ntotal:
+        raise ValueError(f"{root}: {IDS_FILE} has {len(ids)} rows but {INDEX_FILE} holds {raw.ntotal}")
+    return StoredIndex(EmbeddingIndex(raw, spec, int(meta["dim"])), ids, meta)
+
+
+# ------------------------------------------------------------------------------- approximate evaluation
+def _label_array(y: Any, n: int, name: str) -> np.ndarray:
+    a = y.detach().cpu().numpy() if hasattr(y, "detach") else np.asarray(y)
+    if a.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},), got {a.shape}")
+    return a
+
+
+def approximate_retrieval_metrics(
+    query_embeddings: Any,
+    query_labels: Any,
+    gallery_embeddings: Any | None = None,
+    gallery_labels: Any | None = None,
+    ks: tuple[int, ...] = (1, 2, 4, 8),
+    *,
+    kind: IndexKind = "ivfpq",
+    recall_queries: int = 1000,
+    recall_k: int = 10,
+    max_k: int = 1024,
+    seed: int = 0,
+    chunk_size: int = 4096,
+) -> dict[str, float]:
+    """Recall@K, MAP@R and R-precision from a faiss index's top-k lists, for galleries too large to rank
+    exactly; plus ``index_recall@{recall_k}``: how much of the exact top ``recall_k`` the index returns, on
+    ``recall_queries`` queries sampled with ``seed`` (exact search on that sample only).
+
+    Without a gallery the queries search each other, each skipping itself. Full-ranking mAP needs every
+    positive's rank and is not reported; MAP@R and R-precision look at the top R (capped at ``max_k``, so
+    a class larger than that is scored on its first ``max_k`` ranks). Ties keep faiss's order (the exact path,
+    `dmltrain.evaluation.retrieval_metrics`, ranks ties pessimistically)."""
+    q = _as_float32(query_embeddings, "query_embeddings")
+    q_lab = _label_array(query_labels, len(q), "query_labels")
+    leave_one_out = gallery_embeddings is None
+    g = q if leave_one_out else _as_float32(gallery_embeddings, "gallery_embeddings")
+    g_lab = q_lab if leave_one_out else _label_array(gallery_labels, len(g), "gallery_labels")
+    if g.shape[1] != q.shape[1]:
+        raise ValueError(f"gallery dimension {g.shape[1]} != query dimension {q.shape[1]}")
+    ks = tuple(sorted({int(k) for k in ks}))
+    classes, counts = np.unique(g_lab, return_counts=True)
+    where = np.searchsorted(classes, q_lab)
+    found = (where < len(classes)) & (classes[np.minimum(where, len(classes) - 1)] == q_lab)
+    r = np.where(found, counts[np.minimum(where, len(classes) - 1)], 0) - (1 if leave_one_out else 0)
+    k = int(min(max(max(ks), int(r.max(initial=0)), recall_k), max_k, len(g) - (1 if leave_one_out else 0)))
+    built = build_index(g, kind, seed=seed)
+    extra = 1 if leave_one_out else 0
+    first = np.zeros(len(q), dtype=np.int64)  # rank of the first positive, 0 = none in the top k
+    map_r = np.zeros(len(q))
+    r_prec = np.zeros(len(q))
+    rows = np.arange(len(q))
+    for lo in range(0, len(q), chunk_size):
+        _, ids = built.search(q[lo : lo + chunk_size], k + extra)
+        if leave_one_out:
+            ids = _drop_self(ids, rows[lo : lo + chunk_size], k)
+        rel = (ids >= 0) & (g_lab[np.maximum(ids, 0)] == q_lab[lo : lo + chunk_size, None])
+        rr = np.minimum(r[lo : lo + chunk_size], k)
+        within = np.arange(k)[None, :] < rr[:, None]
+        hits = np.cumsum(rel, axis=1)
+        precision = np.where(rel & within, hits / np.arange(1, k + 1)[None, :], 0.0)
+        denom = np.maximum(r[lo : lo + chunk_size], 1)
+        map_r[lo : lo + chunk_size] = precision.sum(axis=1) / denom
+        r_prec[lo : lo + chunk_size] = (rel & within).sum(axis=1) / denom
+        first[lo : lo + chunk_size] = np.where(rel.any(axis=1), rel.argmax(axis=1) + 1, 0)
+    valid = r > 0
+    if not valid.any():
+        raise ValueError(
+            "none of the queries has a relevant item in the gallery: retrieval metrics are undefined"
+        )
+    out = {f"recall@{kk}": float(np.mean((first[valid] > 0) & (first[valid] <= kk))) for kk in ks}
+    out["map@r"] = float(map_r[valid].mean())
+    out["r_precision"] = float(r_prec[valid].mean())
+    out["num_queries"] = int(valid.sum())
+    out["num_queries_without_positive"] = int((~valid).sum())
+    # How close the index is to exact search, on a sample of queries.
+    rk = int(min(recall_k, len(g) - extra))
+    sample = np.sort(np.random.default_rng(seed).choice(len(q), min(recall_queries, len(q)), replace=False))
+    _, approx = built.search(q[sample], rk + extra)
+    _, exact = exact_knn(q[sample], g, rk + extra)
+    if leave_one_out:
+        approx, exact = _drop_self(approx, sample, rk), _drop_self(exact, sample, rk)
+    out[f"index_recall@{rk}"] = neighbour_recall(approx, exact)
+    return out
+
+
+def _drop_self(ids: np.ndarray, self_rows: np.ndarray, k: int) -> np.ndarray:
+    """Each row's top k without the query itself (the last entry goes when the query was not returned)."""
+    drop = ids == self_rows[:, None]
+    drop[~drop.any(axis=1), -1] = True
+    return ids[~drop].reshape(len(ids), -1)[:, :k]

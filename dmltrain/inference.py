@@ -1,0 +1,84 @@
+"""Images in, embeddings out, with the test-time path evaluation uses: decode, test transform, normalise,
+forward in eval mode. The served model (MLflow pyfunc), `dmltrain index` and evaluation all embed through
+:func:`embed_batch`, so a served embedding equals the one evaluation measured.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dmltrain.data.transforms import Transform, decode
+from dmltrain.models import normalize_images
+
+__all__ = ["embed_batch", "embed_images", "image_tensor"]
+
+
+def image_tensor(image: Any, what: str = "image") -> torch.Tensor:
+    """One image as uint8 (3, H, W) RGB: encoded JPEG/PNG/WebP bytes (or their base64 text, as JSON carries
+    them), or a uint8 array (H, W, C) with C in 1, 3, 4 or (H, W) (RGBA drops alpha, grey repeats)."""
+    if isinstance(image, str):
+        try:
+            image = base64.b64decode(image, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"{what}: a string must be base64-encoded image bytes") from None
+    if isinstance(image, bytes | bytearray | memoryview):
+        try:
+            return decode(bytes(image))
+        except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
+            raise ValueError(f"{what}: cannot decode the image bytes ({type(exc).__name__}: {exc})") from exc
+    a = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
+    if a.dtype != np.uint8:
+        raise ValueError(f"{what}: arrays must be uint8 (H, W, C), got dtype {a.dtype}")
+    if a.ndim == 2:
+        a = a[:, :, None]
+    if a.ndim != 3 or a.shape[2] not in (1, 3, 4) or min(a.shape[:2]) < 1:
+        raise ValueError(f"{what}: expected a (H, W, C) array with C in 1, 3 or 4, got shape {a.shape}")
+    a = a[:, :, :3] if a.shape[2] == 4 else np.repeat(a, 3, axis=2) if a.shape[2] == 1 else a
+    return torch.from_numpy(np.ascontiguousarray(a)).permute(2, 0, 1)
+
+
+@torch.no_grad()
+def embed_batch(
+    net: nn.Module, images: torch.Tensor, device: torch.device, autocast_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """uint8 (B, 3, H, W) batch -> float32 (B, D) L2-normalised embeddings (the model's head normalises).
+
+    The caller puts ``net`` in eval mode; this is the one place test-time inputs are normalised."""
+    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        out = net(normalize_images(images.to(device, non_blocking=True)))
+    return out.float()
+
+
+def embed_images(
+    net: nn.Module,
+    images: Iterable[Any] | Sequence[Any],
+    transform: Transform,
+    device: torch.device,
+    batch_size: int = 64,
+) -> np.ndarray:
+    """Embed encoded images or uint8 arrays of any size: each goes through ``transform`` (the test resize +
+    centre crop), then batches through :func:`embed_batch`. Returns float32 (N, D)."""
+    was_training = net.training
+    net.eval()
+    rows: list[np.ndarray] = []
+    batch: list[torch.Tensor] = []
+    try:
+        for i, image in enumerate(images):
+            batch.append(transform(image_tensor(image, f"image {i}")))
+            if len(batch) == batch_size:
+                rows.append(embed_batch(net, torch.stack(batch), device).cpu().numpy())
+                batch = []
+        if batch:
+            rows.append(embed_batch(net, torch.stack(batch), device).cpu().numpy())
+    finally:
+        net.train(was_training)
+    if not rows:
+        raise ValueError("no images to embed")
+    return np.concatenate(rows).astype(np.float32, copy=False)

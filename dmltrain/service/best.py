@@ -1,0 +1,81 @@
+"""The best evaluation so far: which checkpoint Ray keeps as best, and when training stops early.
+
+Every checkpoint reported to Ray carries ``checkpoint_score``: the chosen metric where the checkpoint was
+evaluated, else the worst possible value, so Ray's ``CheckpointConfig(checkpoint_score_attribute=...)`` ranks
+only evaluated weights and an unevaluated checkpoint is dropped as soon as it is no longer the latest. The
+tracker's state is checkpointed, so patience survives a restart.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+SCORE_KEY = "checkpoint_score"
+
+
+def worst_score(mode: Literal["max", "min"]) -> float:
+    """The value that ranks last for Ray under ``mode``."""
+    return -math.inf if mode == "max" else math.inf
+
+
+def metric_names(evaluations: list[str], ks: tuple[int, ...]) -> list[str]:
+    """Every key an evaluation produces (``eval/<name>/<metric>``), for checking ``train.best_metric``."""
+    metrics = [f"recall@{k}" for k in ks] + ["map", "map@r", "r_precision"]
+    return [f"eval/{name}/{metric}" for name in evaluations for metric in metrics]
+
+
+def resolve_best_metric(best_metric: str | None, evaluations: list[str], ks: tuple[int, ...]) -> str | None:
+    """``auto`` -> the first evaluation's recall@1 (the papers' headline metric); any other value must be
+    a key the data set's evaluations produce. Raises ValueError naming ``train.best_metric`` otherwise."""
+    if best_metric is None:
+        return None
+    if not evaluations:
+        raise ValueError("train.best_metric: the data set lists no evaluations to rank checkpoints by")
+    if best_metric == "auto":
+        return f"eval/{evaluations[0]}/recall@{min(ks)}" if 1 not in ks else f"eval/{evaluations[0]}/recall@1"
+    known = metric_names(evaluations, ks)
+    if best_metric not in known:
+        raise ValueError(f"train.best_metric={best_metric!r} is not an evaluation metric; one of {known}")
+    return best_metric
+
+
+@dataclass
+class BestTracker:
+    """Best value of ``metric`` and the step it was reached at; counts evaluations since."""
+
+    metric: str
+    mode: Literal["max", "min"] = "max"
+    min_delta: float = 0.0
+    patience: int | None = None
+    score: float | None = None
+    step: int = -1
+    stale: int = 0  # evaluations since the best
+
+    def update(self, metrics: dict[str, float], step: int) -> bool:
+        """Take an evaluation's metrics; True when it is a new best. A missing or NaN value is an error."""
+        if self.metric not in metrics:
+            raise KeyError(f"train.best_metric={self.metric!r} is not among the evaluation's metrics")
+        value = float(metrics[self.metric])
+        if math.isnan(value):
+            raise ValueError(f"train.best_metric={self.metric!r} is NaN at step {step}")
+        better = self.score is None or (
+            value > self.score + self.min_delta if self.mode == "max" else value < self.score - self.min_delta
+        )
+        if better:
+            self.score, self.step, self.stale = value, step, 0
+        else:
+            self.stale += 1
+        return better
+
+    @property
+    def should_stop(self) -> bool:
+        return self.patience is not None and self.stale >= self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"score": self.score, "step": self.step, "stale": self.stale}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state:
+            self.score, self.step, self.stale = state["score"], int(state["step"]), int(state["stale"])

@@ -1,0 +1,229 @@
+"""`dmltrain index` and `dmltrain search`: embed a prepared split into a stored faiss index; search it.
+
+An index directory holds ``index.faiss``, ``ids.npz`` (row -> shard, key, class) and ``index.json`` (the
+index spec with every parameter, the model reference, data root, split, class names, build time). When the
+model is a run's (``runs:/`` or a registered version with a run) the directory is also logged to that run
+as ``indexes/<dataset>_<split>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dmltrain.data import EvalLoader, load_dataset_info
+from dmltrain.data.shards import read_shard
+from dmltrain.data.urls import is_local, local_path
+from dmltrain.index import IdMap, StoredIndex, build_index, choose_spec, load_index, save_index
+from dmltrain.inference import embed_batch, embed_images, image_tensor
+from dmltrain.service.serving.loading import LoadedModel, is_mlflow_uri, load_embedding_model
+
+log = logging.getLogger("dmltrain.service.serving.indexing")
+
+
+def default_split(info: Any) -> str:
+    """The gallery of the data set's first evaluation (its query split for leave-one-out)."""
+    first = info.evaluations[0]
+    return first.gallery or first.query
+
+
+@dataclass
+class SplitEmbeddings:
+    embeddings: np.ndarray
+    ids: IdMap
+
+
+@torch.no_grad()
+def embed_split(
+    model: LoadedModel, data_root: str, split: str, batch_size: int, workers: int
+) -> SplitEmbeddings:
+    """Every image of ``split`` through the model's test-time path, with its (shard, key, class)."""
+    info = load_dataset_info(data_root)
+    loader = EvalLoader(
+        data_root,
+        split,
+        batch_size,
+        rank=0,
+        world_size=1,
+        num_workers=workers,
+        transform=model.transform,
+        info=info,
+        with_shards=True,
+    )
+    chunks, shards, keys, labels = [], [], [], []
+    for images, batch_labels, _categories, batch_keys, batch_shards in loader:
+        chunks.append(embed_batch(model.net, images, model.device).cpu().numpy())
+        labels.append(batch_labels.numpy())
+        keys += batch_keys
+        shards += batch_shards
+    if not chunks:
+        raise ValueError(f"split {split!r} of {data_root} has no images")
+    return SplitEmbeddings(np.concatenate(chunks), IdMap(shards, keys, np.concatenate(labels)))
+
+
+def _absolute(root: str) -> str:
+    return str(Path(local_path(root)).resolve()) if is_local(root) else root
+
+
+def build_split_index(
+    model_ref: str,
+    data_root: str,
+    split: str | None = None,
+    out: str | Path | None = None,
+    *,
+    kind: str = "auto",
+    batch_size: int = 128,
+    workers: int = 0,
+    tracking_uri: str | None = None,
+    log_to_run: bool = True,
+) -> tuple[Path, dict[str, Any]]:
+    """Embed ``split`` of ``data_root`` with the model, build the index ``kind`` (auto: by size), store it
+    in ``out`` (default ``./index_<dataset>_<split>``); log it to the model's run when there is one."""
+    model = load_embedding_model(model_ref, tracking_uri)
+    info = load_dataset_info(data_root)
+    split = split or default_split(info)
+    info.split(split)  # a missing split is an error that lists the splits
+    started = time.perf_counter()
+    embedded = embed_split(model, data_root, split, batch_size, workers)
+    embed_seconds = time.perf_counter() - started
+    spec = choose_spec(*embedded.embeddings.shape, kind)  # type: ignore[arg-type]
+    built = build_index(embedded.embeddings, spec)
+    name = f"{info.name}_{split}"
+    target = Path(out) if out is not None else Path.cwd() / f"index_{name}"
+    present = sorted({int(c) for c in embedded.ids.label})
+    meta = {
+        "model": model.source,
+        "run_id": model.run_id,
+        "model_step": model.step,
+        "data_root": _absolute(data_root),
+        "dataset": info.name,
+        "split": split,
+        "class_names": {str(c): info.class_names[c] for c in present if 0 <= c < len(info.class_names)},
+        "embed_seconds": round(embed_seconds, 3),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    save_index(target, built, embedded.ids, meta)
+    if log_to_run and model.run_id and is_mlflow_uri(model_ref):
+        from mlflow.tracking import MlflowClient
+
+        from dmltrain.service.tracking import resolve_tracking_uri
+
+        MlflowClient(resolve_tracking_uri(tracking_uri)).log_artifacts(
+            model.run_id, str(target), f"indexes/{name}"
+        )
+        meta["logged_to"] = f"runs:/{model.run_id}/indexes/{name}"
+    meta.update(
+        {"ntotal": built.ntotal, "description": spec.describe(), "build_seconds": built.build_seconds}
+    )
+    return target, meta
+
+
+def open_index(ref: str | Path, tracking_uri: str | None = None) -> StoredIndex:
+    """A local index directory, or one logged to MLflow (``runs:/<run_id>/indexes/<name>``)."""
+    text = str(ref)
+    if is_mlflow_uri(text):
+        import mlflow
+
+        from dmltrain.service.serving.uris import tracking_uri as tracking_uri_block
+        from dmltrain.service.tracking import resolve_tracking_uri
+
+        uri = resolve_tracking_uri(tracking_uri)
+        with tracking_uri_block(uri):
+            text = mlflow.artifacts.download_artifacts(artifact_uri=text, tracking_uri=uri)
+    return load_index(text)
+
+
+@dataclass
+class SearchResult:
+    query: str
+    neighbours: list[dict[str, Any]]  # id, score, shard, key, class, class_name; best first
+
+
+def search_images(
+    stored: StoredIndex,
+    images: list[str | Path],
+    k: int = 10,
+    *,
+    model_ref: str | None = None,
+    tracking_uri: str | None = None,
+) -> tuple[list[SearchResult], LoadedModel]:
+    """Embed image files with the index's model (or ``model_ref``) and return their ``k`` nearest rows."""
+    data = []
+    for path in images:
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"image not found: {file}")
+        data.append(file.read_bytes())
+    model = load_embedding_model(model_ref or stored.meta["model"], tracking_uri)
+    embeddings = embed_images(model.net, data, model.transform, model.device)
+    scores, ids = stored.search(embeddings, k)
+    names = stored.meta.get("class_names", {})
+    results = []
+    for path, row_scores, row_ids in zip(images, scores, ids, strict=True):
+        hits = []
+        for score, i in zip(row_scores, row_ids, strict=True):
+            if i < 0:
+                continue
+            hit = stored.ids.row(int(i))
+            hits.append({**hit, "score": float(score), "class_name": names.get(str(hit["class"]))})
+        results.append(SearchResult(str(path), hits))
+    return results, model
+
+
+def render_grid(
+    stored: StoredIndex,
+    results: list[SearchResult],
+    model: LoadedModel,
+    out: str | Path,
+    data_root: str | None = None,
+) -> Path:
+    """Queries and their neighbours as a PNG (plots.retrieval_grid); gallery images are read back from the
+    shards the id map names. A neighbour of the top hit's class is bordered green, others red."""
+    from dmltrain.plots import retrieval_grid
+
+    root = data_root or stored.meta["data_root"]
+    info = load_dataset_info(root)
+    urls = info.shard_urls(root, stored.meta["split"])
+    wanted: dict[int, set[str]] = {}
+    for result in results:
+        for hit in result.neighbours:
+            wanted.setdefault(hit["shard"], set()).add(hit["key"])
+    pictures: dict[tuple[int, str], np.ndarray] = {}
+    for shard, keys in wanted.items():
+        for sample in read_shard(urls[shard], shard=shard):
+            if sample.key in keys:
+                pictures[(shard, sample.key)] = (
+                    model.transform(image_tensor(sample.data)).permute(1, 2, 0).numpy()
+                )
+    k = max((len(r.neighbours) for r in results), default=0)
+    neighbours = np.full((len(results), max(k, 1)), -1, dtype=np.int64)
+    gallery: dict[int, np.ndarray] = {}
+    gallery_labels: list[int] = []
+    query_labels = []
+    for row, result in enumerate(results):
+        for col, hit in enumerate(result.neighbours):
+            neighbours[row, col] = len(gallery_labels)
+            gallery[len(gallery_labels)] = pictures[(hit["shard"], hit["key"])]
+            gallery_labels.append(hit["class"])
+        query_labels.append(result.neighbours[0]["class"] if result.neighbours else -1)
+    queries = [
+        model.transform(image_tensor(Path(r.query).read_bytes(), r.query)).permute(1, 2, 0).numpy()
+        for r in results
+    ]
+    size = queries[0].shape[0]
+    retrieval_grid(
+        queries,
+        np.asarray(query_labels),
+        neighbours,
+        gallery,
+        np.asarray(gallery_labels),
+        scale=max(1, 96 // max(size, 1)),
+        path=out,
+    )
+    return Path(out)

@@ -1,0 +1,107 @@
+"""Find a trained model by reference and rebuild its network: a local ``model.pt``, a local MLflow model
+directory, ``runs:/<run_id>/<name>`` or ``models:/<name>/<version|@alias>`` (registry) or
+``models:/<model_id>``. The network and its test transform come from the config saved with the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dmltrain.data.transforms import Transform
+from dmltrain.models import EmbeddingNet
+from dmltrain.service.config import ExperimentConfig
+from dmltrain.service.serving.weights import WEIGHTS_FILE, load_weights
+
+MLMODEL = "MLmodel"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to embed: network (eval mode, on ``device``), its run config and where it came from."""
+
+    net: EmbeddingNet
+    config: ExperimentConfig
+    transform: Transform
+    device: torch.device
+    source: str  # the reference as given (local paths made absolute)
+    run_id: str | None  # the MLflow run that logged it, if known
+    step: int | None
+
+
+def is_mlflow_uri(ref: str) -> bool:
+    return ref.startswith(("runs:/", "models:/"))
+
+
+def network_from_weights(
+    saved: dict[str, Any], device: torch.device
+) -> tuple[EmbeddingNet, ExperimentConfig, Transform]:
+    """Rebuild the network of a weights file (architecture only, then its state dict) and its transform."""
+    from dmltrain.service.builders import build_network, build_test_transform
+
+    config = ExperimentConfig.model_validate(saved["config"])
+    net = build_network(config.model, pretrained=False)
+    net.load_state_dict(saved["model"])
+    net.to(device).eval()
+    return net, config, build_test_transform(config)
+
+
+def _weights_in(directory: Path) -> Path:
+    """The weights file of an MLflow model directory (``artifacts/model.pt``) or of a plain folder."""
+    for candidate in (directory / "artifacts" / WEIGHTS_FILE, directory / WEIGHTS_FILE):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{directory} holds no dmltrain model ({WEIGHTS_FILE} not found)")
+
+
+def _run_id_of(directory: Path) -> str | None:
+    if not (directory / MLMODEL).is_file():
+        return None
+    from mlflow.models import Model
+
+    return Model.load(str(directory / MLMODEL)).run_id
+
+
+def locate(ref: str, tracking_uri: str | None = None) -> tuple[Path, str | None]:
+    """``(weights file, run id)`` of a model reference; MLflow models are downloaded to a local cache."""
+    if is_mlflow_uri(ref):
+        import mlflow
+        from mlflow.exceptions import MlflowException
+
+        from dmltrain.service.serving.uris import tracking_uri as tracking_uri_block
+        from dmltrain.service.tracking import resolve_tracking_uri
+
+        uri = resolve_tracking_uri(tracking_uri)
+        try:
+            # The logged-model lookup behind runs:/ reads the process-wide URI, not the argument.
+            with tracking_uri_block(uri):
+                local = Path(mlflow.artifacts.download_artifacts(artifact_uri=ref, tracking_uri=uri))
+        except MlflowException as exc:
+            raise FileNotFoundError(
+                f"{ref}: not found in the MLflow store at {uri} ({exc.message})"
+            ) from None
+        return _weights_in(local), _run_id_of(local)
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return _weights_in(path), _run_id_of(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"model not found: {ref} (a model.pt, an MLflow model folder, runs:/ or models:/)"
+        )
+    return path, None
+
+
+def load_embedding_model(
+    ref: str, tracking_uri: str | None = None, device: torch.device | None = None
+) -> LoadedModel:
+    """Load a model by reference (see module docstring) onto ``device`` (default: CUDA when available)."""
+    weights, run_id = locate(ref, tracking_uri)
+    saved = load_weights(weights)
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    net, config, transform = network_from_weights(saved, device)
+    source = ref if is_mlflow_uri(ref) else str(Path(ref).expanduser().resolve())
+    step = saved.get("step")
+    return LoadedModel(net, config, transform, device, source, run_id, None if step is None else int(step))

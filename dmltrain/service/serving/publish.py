@@ -1,0 +1,87 @@
+"""After a run: log its final and best models to MLflow (pyfunc) from Ray's checkpoints, and register.
+
+The driver does this once training is over, from the checkpoints Ray kept: the latest (the final step; or
+where early stopping stopped) becomes artifact ``model``, the best by ``train.best_metric`` becomes
+``best_model``. Only weights travel (no optimizer state), so MLflow holds two models per run instead of a
+copy of every checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dmltrain.service.best import SCORE_KEY
+from dmltrain.service.checkpoints import load_state
+from dmltrain.service.config import ExperimentConfig
+from dmltrain.service.serving.pyfunc import log_embedding_model
+from dmltrain.service.serving.uris import tracking_uri
+from dmltrain.service.serving.weights import WEIGHTS_FILE, save_weights
+
+log = logging.getLogger("dmltrain.service.serving.publish")
+
+FINAL_MODEL = "model"
+BEST_MODEL = "best_model"
+
+
+@dataclass(frozen=True)
+class Published:
+    """What was logged: artifact name -> (model URI, training step), and the registered version if any."""
+
+    models: dict[str, tuple[str, int]]
+    registered: str | None = None
+
+
+def _log_checkpoint(
+    checkpoint: Any, config: ExperimentConfig, tracking: str, run_id: str, name: str, tags: dict[str, str]
+) -> tuple[str, int]:
+    with checkpoint.as_directory() as directory, tempfile.TemporaryDirectory() as tmp:
+        state = load_state(directory)
+        weights = save_weights(
+            Path(tmp) / WEIGHTS_FILE, state.model, config.model_dump(mode="json"), state.step
+        )
+        info = log_embedding_model(tracking, run_id, name, weights, step=state.step, tags=tags)
+    log.info("logged %s (step %d) as runs:/%s/%s", name, state.step, run_id, name)
+    return info.model_uri, state.step
+
+
+def best_checkpoint(result: Any, config: ExperimentConfig) -> tuple[Any, float] | None:
+    """Ray's best kept checkpoint by ``checkpoint_score``, if any evaluated checkpoint exists."""
+    if not config.train.best_metric or not result.best_checkpoints:
+        return None
+    scored = [(c, float(m.get(SCORE_KEY, math.nan))) for c, m in result.best_checkpoints]
+    scored = [(c, s) for c, s in scored if math.isfinite(s)]
+    if not scored:
+        return None
+    pick = max if config.train.best_mode == "max" else min
+    return pick(scored, key=lambda item: item[1])
+
+
+def publish_run_models(result: Any, config: ExperimentConfig, tracking: str, run_id: str) -> Published:
+    """Log the final and best models of a finished Ray Train ``result``; register if mlflow.register_as."""
+    models: dict[str, tuple[str, int]] = {}
+    if result.checkpoint is not None:
+        models[FINAL_MODEL] = _log_checkpoint(result.checkpoint, config, tracking, run_id, FINAL_MODEL, {})
+    best = best_checkpoint(result, config)
+    if best is not None:
+        checkpoint, score = best
+        tags = {"dmltrain.best_metric": str(config.train.best_metric), "dmltrain.best_score": f"{score:.6g}"}
+        models[BEST_MODEL] = _log_checkpoint(checkpoint, config, tracking, run_id, BEST_MODEL, tags)
+    registered = None
+    if config.mlflow.register_as and FINAL_MODEL in models:
+        registered = register(tracking, run_id, config.mlflow.register_as)
+    return Published(models, registered)
+
+
+def register(tracking: str, run_id: str, name: str, artifact: str = FINAL_MODEL) -> str:
+    """Register ``runs:/<run_id>/<artifact>`` as a new version of ``name``; returns its models:/ URI."""
+    import mlflow
+
+    with tracking_uri(tracking):
+        version = mlflow.register_model(f"runs:/{run_id}/{artifact}", name)
+    log.info("registered runs:/%s/%s as models:/%s/%s", run_id, artifact, name, version.version)
+    return f"models:/{name}/{version.version}"

@@ -1,0 +1,196 @@
+"""A trained dmltrain model as an MLflow pyfunc: images in, L2-normalised float32 embeddings out.
+
+Input: a DataFrame (or dict) with an ``image`` column holding encoded JPEG/PNG/WebP bytes (base64 text over
+REST) or uint8 H x W x C arrays of any size (MLflow's schema check passes the column through untouched; it
+refuses a bare list or a 4-D array before the model sees it, so wrap images in a column). Output: one
+float32 row of ``model.embedding_dim`` per image. Inside is exactly the run's test-time path
+(``build_test_transform`` + ``dmltrain.inference.embed_batch``), so served embeddings equal the ones
+evaluation measured. The model is logged "from code" with the dmltrain package beside it (``code_paths``),
+so it loads where dmltrain is not installed, e.g. under ``mlflow models serve``.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import tempfile
+import warnings
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import numpy as np
+import torch
+
+from dmltrain.service.serving.uris import tracking_uri
+from dmltrain.service.serving.weights import WEIGHTS_FILE, load_weights
+
+WEIGHTS_ARTIFACT = "weights"
+_MODEL_CODE = Path(__file__).with_name("_model_code.py")
+# What the pyfunc imports at load time (module -> distribution), pinned to the versions it was logged with.
+_REQUIREMENTS = {
+    "torch": "torch",
+    "torchvision": "torchvision",
+    "numpy": "numpy",
+    "PIL": "pillow",
+    "pandas": "pandas",
+    "pydantic": "pydantic",
+    "yaml": "pyyaml",
+    "tqdm": "tqdm",
+    "webdataset": "webdataset",
+    "matplotlib": "matplotlib",
+}
+_BACKBONE_REQUIREMENTS = {"timm:": ["timm"], "open_clip:": ["open_clip_torch", "timm"]}
+
+
+def _images(model_input: Any) -> list[Any]:
+    """The images of any accepted input form, in order."""
+    import pandas as pd
+
+    if isinstance(model_input, pd.DataFrame):
+        if "image" in model_input.columns:
+            return list(model_input["image"])
+        if len(model_input.columns) == 1:
+            return list(model_input.iloc[:, 0])
+        raise ValueError(f"expected an 'image' column, got columns {list(model_input.columns)}")
+    if isinstance(model_input, dict):
+        if "image" not in model_input:
+            raise ValueError(f"expected an 'image' key, got {sorted(model_input)}")
+        value = model_input["image"]
+        return (
+            list(value)
+            if isinstance(value, list | tuple | np.ndarray) and not _is_one_array(value)
+            else [value]
+        )
+    if isinstance(model_input, np.ndarray) and model_input.dtype == np.uint8:
+        return list(model_input) if model_input.ndim == 4 else [model_input]
+    if isinstance(model_input, bytes | str):
+        return [model_input]
+    return list(model_input)
+
+
+def _is_one_array(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim in (2, 3)
+
+
+with warnings.catch_warnings():  # MLflow nags at class creation about type hints it would validate with
+    warnings.filterwarnings("ignore", message=r".*type hints to the `predict` method")
+
+    class EmbeddingModel(mlflow.pyfunc.PythonModel):
+        """Loads the weights artifact into the run's network; predicts embeddings with its test transform."""
+
+        def load_context(self, context: Any) -> None:
+            from dmltrain.service.serving.loading import network_from_weights
+
+            saved = load_weights(context.artifacts[WEIGHTS_ARTIFACT])
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            self.net, self.config, self.transform = network_from_weights(saved, self.device)
+
+        # model_input is left unannotated: MLflow would otherwise try to derive a schema from the type hint.
+        def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
+            from dmltrain.inference import embed_images
+
+            batch_size = int((params or {}).get("batch_size", 64))
+            return embed_images(self.net, _images(model_input), self.transform, self.device, batch_size)
+
+
+def pip_requirements(backbone: str) -> list[str]:
+    """Pinned requirements of the served model (mlflow itself is added by MLflow)."""
+    names = list(_REQUIREMENTS.values())
+    for prefix, extra in _BACKBONE_REQUIREMENTS.items():
+        if backbone.startswith(prefix):
+            names += extra
+    out = []
+    for name in dict.fromkeys(names):
+        try:
+            version = metadata.version(name).split("+", 1)[0]  # torch 2.14.1+cu130 -> 2.14.1
+            out.append(f"{name}=={version}")
+        except metadata.PackageNotFoundError:
+            out.append(name)
+    return out
+
+
+def _example_png(size: int) -> bytes:
+    """A small deterministic colour-gradient PNG: the input example stored with the model."""
+    from PIL import Image
+
+    ramp = np.linspace(0, 255, size, dtype=np.uint8)
+    rgb = np.stack(
+        [np.tile(ramp, (size, 1)), np.tile(ramp[:, None], (1, size)), np.full((size, size), 128, np.uint8)],
+        -1,
+    )
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def signature(embedding_dim: int) -> Any:
+    from mlflow.models import ModelSignature
+    from mlflow.types import DataType
+    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema, TensorSpec
+
+    return ModelSignature(
+        inputs=Schema([ColSpec(DataType.binary, "image")]),
+        outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, embedding_dim))]),
+        params=ParamSchema([ParamSpec("batch_size", DataType.long, 64)]),
+    )
+
+
+def _package_copy(directory: Path) -> Path:
+    """The dmltrain package without caches, to ship as the model's code."""
+    import dmltrain
+
+    source = Path(dmltrain.__file__).parent
+    target = directory / "dmltrain"
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return target
+
+
+def log_embedding_model(
+    tracking: str,
+    run_id: str,
+    name: str,
+    weights_file: str | Path,
+    *,
+    step: int,
+    tags: dict[str, str] | None = None,
+) -> Any:
+    """Log ``weights_file`` (see :mod:`.weights`) as the pyfunc ``name`` of ``run_id``; returns ModelInfo.
+
+    ``runs:/<run_id>/<name>`` then resolves to it (the newest one when a relaunch logs it again)."""
+    import pandas as pd
+    from mlflow.models import Model
+
+    saved = load_weights(weights_file)
+    model_cfg, data_cfg = saved["config"]["model"], saved["config"]["data"]
+    example = pd.DataFrame({"image": [_example_png(int(data_cfg.get("resize") or data_cfg["image_size"]))]})
+    with tempfile.TemporaryDirectory() as tmp, tracking_uri(tracking):
+        code = _package_copy(Path(tmp))
+        # Created here because Model.log without an active run files the model under the default
+        # experiment, where `runs:/<run_id>/<name>` (which searches the run's experiment) cannot find it.
+        client = mlflow.MlflowClient(tracking)
+        logged = client.create_logged_model(
+            experiment_id=client.get_run(run_id).info.experiment_id,
+            name=name,
+            source_run_id=run_id,
+            tags=tags,
+            params={"dmltrain.step": str(step)},
+        )
+        # mlflow.pyfunc.log_model logs to the active run only; Model.log (which it wraps) takes a run id.
+        return Model.log(
+            artifact_path=None,
+            name=name,
+            flavor=mlflow.pyfunc,
+            python_model=str(_MODEL_CODE),
+            artifacts={WEIGHTS_ARTIFACT: str(weights_file)},
+            code_paths=[str(code)],
+            signature=signature(int(model_cfg["embedding_dim"])),
+            input_example=example,
+            pip_requirements=pip_requirements(str(model_cfg["backbone"])),
+            run_id=run_id,
+            step=step,
+            model_id=logged.model_id,
+            metadata={"dmltrain_weights_file": WEIGHTS_FILE, "dmltrain_step": step},
+            flavor_name="pyfunc.ModelFromCode",  # what mlflow.pyfunc.log_model passes for a code file
+        )

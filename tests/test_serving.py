@@ -1,0 +1,316 @@
+"""Serving without Ray: the model as an MLflow pyfunc (fresh process, runs:/ and models:/), the registry,
+`dmltrain evaluate` on every kind of model reference, `dmltrain index` + `dmltrain search`, approximate
+evaluation against exact, and the best-checkpoint bookkeeping. Real MLflow sqlite store, real faiss, real
+glyph shards; one tiny model (resnet18 at 32 px) logged once per module.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from PIL import Image
+
+from dmltrain.data import EvalLoader, load_dataset_info
+from dmltrain.data.shards import read_shard
+from dmltrain.evaluation import retrieval_metrics
+from dmltrain.index import (
+    IdMap,
+    approximate_retrieval_metrics,
+    build_index,
+    choose_spec,
+    load_index,
+    neighbour_recall,
+    save_index,
+)
+from dmltrain.inference import embed_batch, embed_images, image_tensor
+from dmltrain.service.best import BestTracker, resolve_best_metric
+from dmltrain.service.builders import build_network, build_test_transform
+from dmltrain.service.cli import main as cli
+from dmltrain.service.config import load_config
+from dmltrain.service.serving.publish import register
+from dmltrain.service.serving.pyfunc import log_embedding_model
+from dmltrain.service.serving.weights import save_weights
+
+REPO = Path(__file__).parents[1]
+REGISTERED = "glyph-embedder"
+
+
+@dataclass
+class Served:
+    tracking_uri: str
+    run_id: str
+    weights: Path
+    net: torch.nn.Module
+    transform: object
+    glyphs: Path
+
+
+@pytest.fixture(scope="module")
+def served(glyphs_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Served:
+    """A quickstart-shaped model (seeded random weights) logged as runs:/<id>/model and registered."""
+    tmp = tmp_path_factory.mktemp("served")
+    config = load_config(
+        REPO / "configs" / "quickstart.yaml",
+        [f"data.root={glyphs_root}", "data.prepare=null", "model.embedding_dim=32"],
+    )
+    torch.manual_seed(0)
+    net = build_network(config.model).eval()
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("serving"))
+    weights = save_weights(tmp / "model.pt", net.state_dict(), config.model_dump(mode="json"), step=3)
+    log_embedding_model(uri, run.info.run_id, "model", weights, step=3)
+    assert register(uri, run.info.run_id, REGISTERED) == f"models:/{REGISTERED}/1"
+    return Served(uri, run.info.run_id, weights, net, build_test_transform(config), glyphs_root)
+
+
+def _test_samples(glyphs: Path, count: int) -> list[tuple[str, bytes, int]]:
+    info = load_dataset_info(glyphs)
+    url = info.shard_urls(glyphs, "test")[0]
+    out = []
+    for sample in read_shard(url, shard=0):
+        out.append((sample.key, sample.data, sample.cls))
+        if len(out) == count:
+            break
+    return out
+
+
+def test_pyfunc_round_trip_in_a_fresh_process(served: Served, tmp_path: Path) -> None:
+    samples = _test_samples(served.glyphs, 6)
+    payload = tmp_path / "images.npz"
+    arrays = [np.asarray(Image.open(io.BytesIO(data)).convert("RGB")) for _, data, _ in samples]
+    np.savez(payload, *[np.frombuffer(d, dtype=np.uint8) for _, d, _ in samples])
+    script = textwrap.dedent(
+        f"""
+        import io, json, sys
+        import numpy as np, pandas as pd, mlflow
+        from PIL import Image
+        mlflow.set_tracking_uri({served.tracking_uri!r})
+        raw = np.load({str(payload)!r})
+        data = [raw[k].tobytes() for k in sorted(raw.files, key=lambda k: int(k.split("_")[1]))]
+        arrays = [np.asarray(Image.open(io.BytesIO(d)).convert("RGB")) for d in data]
+        out = {{}}
+        for uri in ("runs:/{served.run_id}/model", "models:/{REGISTERED}/1"):
+            model = mlflow.pyfunc.load_model(uri)
+            out[uri] = {{
+                "bytes": model.predict(pd.DataFrame({{"image": data}})).tolist(),
+                "arrays": model.predict(pd.DataFrame({{"image": arrays}})).tolist(),
+                "dict": model.predict({{"image": data}}).tolist(),
+                "signature": str(model.metadata.signature.inputs),
+            }}
+        json.dump(out, sys.stdout)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    device = torch.device("cpu")
+    expected = embed_images(served.net, [d for _, d, _ in samples], served.transform, device)
+    # The evaluation path: the same images through EvalLoader + the run's test transform.
+    loader = EvalLoader(served.glyphs, "test", 6, rank=0, world_size=1, transform=served.transform)
+    images, _labels, _cats, keys = next(iter(loader))
+    assert keys == [k for k, _, _ in samples]
+    evaluated = embed_batch(served.net.eval(), images, device).numpy()
+    np.testing.assert_allclose(expected, evaluated, atol=1e-5)
+    for uri, out in result.items():
+        assert "'image': binary" in out["signature"], uri
+        for form in ("bytes", "arrays", "dict"):
+            got = np.asarray(out[form], dtype=np.float32)
+            assert got.shape == (6, 32), (uri, form)
+            np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+            np.testing.assert_allclose(got, expected, atol=1e-4, err_msg=f"{uri} {form}")
+    assert len(arrays) == 6
+
+
+def test_registry_holds_the_runs_model(served: Served) -> None:
+    client = MlflowClient(served.tracking_uri)
+    version = client.get_model_version(REGISTERED, "1")
+    assert version.run_id == served.run_id
+    assert version.source.startswith("models:/m-")  # the run's logged model, not a copy
+    # Registering again makes version 2 of the same name.
+    assert register(served.tracking_uri, served.run_id, REGISTERED) == f"models:/{REGISTERED}/2"
+
+
+def test_evaluate_takes_local_runs_and_models_references(
+    served: Served, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = {}
+    for ref in (str(served.weights), f"runs:/{served.run_id}/model", f"models:/{REGISTERED}/1"):
+        code = cli(
+            [
+                "evaluate",
+                ref,
+                str(served.glyphs),
+                "--max-images",
+                "300",
+                "--batch-size",
+                "100",
+                "--tracking-uri",
+                served.tracking_uri,
+            ]
+        )
+        assert code == 0, ref
+        results[ref] = json.loads(capsys.readouterr().out)
+    first, *others = results.values()
+    assert 0.0 <= first["eval/test/recall@1"] <= 1.0 and first["eval/test/num_queries"] > 0
+    for other in others:
+        assert other == pytest.approx(first, abs=1e-6)
+    code = cli(
+        [
+            "evaluate",
+            "runs:/0123456789abcdef/model",
+            str(served.glyphs),
+            "--tracking-uri",
+            served.tracking_uri,
+        ]
+    )
+    assert code == 2 and "error" in capsys.readouterr().err
+
+
+def test_index_and_search_cli(served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "idx"
+    model = f"runs:/{served.run_id}/model"
+    code = cli(["index", model, str(served.glyphs), "--out", str(out), "--tracking-uri", served.tracking_uri])
+    assert code == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "flat (exact inner product)" in printed and f"runs:/{served.run_id}/indexes/glyphs_test" in printed
+    stored = load_index(out)
+    info = load_dataset_info(served.glyphs)
+    assert stored.index.ntotal == info.split("test").num_samples == len(stored.ids)
+    assert stored.meta["split"] == "test" and stored.meta["model"] == model
+    client = MlflowClient(served.tracking_uri)
+    logged = {a.path for a in client.list_artifacts(served.run_id, "indexes/glyphs_test")}
+    assert {f"indexes/glyphs_test/{n}" for n in ("index.faiss", "ids.npz", "index.json")} <= logged
+
+    # Query with two gallery images: each finds itself first; the id map names its shard, key and class.
+    samples = _test_samples(served.glyphs, 2)
+    files = []
+    for i, (_key, data, _cls) in enumerate(samples):
+        files.append(tmp_path / f"q{i}.png")
+        files[-1].write_bytes(data)
+    grid = tmp_path / "grid.png"
+    args = ["search", str(out), *map(str, files), "-k", "5", "--json", "--grid", str(grid)]
+    code = cli([*args, "--tracking-uri", served.tracking_uri])
+    assert code == 0, capsys.readouterr().err
+    results = json.loads(capsys.readouterr().out)
+    for (key, _data, cls), result in zip(samples, results, strict=True):
+        top = result["neighbours"][0]
+        assert (top["key"], top["shard"], top["class"]) == (key, 0, cls)
+        assert top["score"] == pytest.approx(1.0, abs=1e-4)
+        assert len(result["neighbours"]) == 5
+        scores = [n["score"] for n in result["neighbours"]]
+        assert scores == sorted(scores, reverse=True)
+    image = np.asarray(Image.open(grid))
+    assert image.ndim == 3 and image.shape[0] > image.shape[1] / 6 * 2 * 0.9  # 2 rows of 6 cells
+    # Plain table output too, and a clear error for a missing image.
+    assert cli(["search", str(out), str(files[0]), "-k", "3", "--tracking-uri", served.tracking_uri]) == 0
+    assert samples[0][0] in capsys.readouterr().out
+    assert (
+        cli(["search", str(out), str(tmp_path / "missing.png"), "--tracking-uri", served.tracking_uri]) == 2
+    )
+    assert "image not found" in capsys.readouterr().err
+
+
+def _clustered(
+    n: int, dim: int, classes: int, seed: int, noise: float = 0.9
+) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    centres = np.random.default_rng(0).standard_normal((classes, dim)).astype(np.float32)
+    labels = rng.integers(0, classes, n)
+    x = centres[labels] + noise * rng.standard_normal((n, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True), labels
+
+
+def test_flat_knn_metrics_equal_exact_ranking() -> None:
+    x, y = _clustered(3000, 16, 300, seed=1)
+    exact = retrieval_metrics(x, y, ks=(1, 2, 4, 8))
+    knn = approximate_retrieval_metrics(x, y, ks=(1, 2, 4, 8), kind="flat", recall_queries=200)
+    for key in ("recall@1", "recall@2", "recall@4", "recall@8", "map@r", "r_precision", "num_queries"):
+        assert knn[key] == pytest.approx(exact[key], abs=1e-9), key
+    assert knn["index_recall@10"] == 1.0
+
+
+@pytest.mark.parametrize("kind", ["ivfpq", "hnsw"])
+def test_approximate_metrics_report_recall_against_exact(kind: str) -> None:
+    q, q_lab = _clustered(500, 32, 400, seed=2, noise=0.5)
+    g, g_lab = _clustered(20000, 32, 400, seed=3, noise=0.5)
+    exact = retrieval_metrics(q, q_lab, g, g_lab, ks=(1, 10))
+    approx = approximate_retrieval_metrics(q, q_lab, g, g_lab, ks=(1, 10), kind=kind, recall_queries=500)  # type: ignore[arg-type]
+    # The reported recall is the index's top 10 against exact search, here on every query.
+    direct = neighbour_recall(build_index(g, kind).search(q, 10)[1], build_index(g, "flat").search(q, 10)[1])  # type: ignore[arg-type]
+    assert approx["index_recall@10"] == pytest.approx(direct, abs=1e-9)
+    assert 0.5 <= approx["index_recall@10"] <= 1.0
+    # Class-level metrics barely move even where single neighbours are missed.
+    assert abs(approx["recall@1"] - exact["recall@1"]) <= 0.05
+    assert abs(approx["recall@10"] - exact["recall@10"]) <= 0.05
+    assert "map" not in approx  # full-ranking mAP needs every rank: only the exact path reports it
+
+
+def test_index_spec_choice_and_round_trip(tmp_path: Path) -> None:
+    assert choose_spec(10_000, 128).kind == "flat"
+    big = choose_spec(1_000_000, 128)
+    assert (big.kind, big.nlist, big.nprobe, big.refine) == ("ivfpq", 1024, 128, 4) and 128 % big.m == 0
+    assert "IVF1024" in big.describe() and "nprobe 128" in big.describe()
+    with pytest.raises(ValueError, match="unknown index kind"):
+        choose_spec(10, 4, "lsh")  # type: ignore[arg-type]
+    x, y = _clustered(5000, 32, 100, seed=4)
+    for kind in ("flat", "ivfpq", "hnsw"):
+        built = build_index(x, kind)  # type: ignore[arg-type]
+        ids = IdMap(np.arange(len(x)) % 7, [f"k{i}" for i in range(len(x))], y)
+        save_index(tmp_path / kind, built, ids, {"note": kind})
+        loaded = load_index(tmp_path / kind)
+        assert loaded.meta["note"] == kind and loaded.index.spec == built.spec
+        before, after = built.search(x[:50], 10)[1], loaded.search(x[:50], 10)[1]
+        np.testing.assert_array_equal(before, after)
+        assert loaded.ids.row(7) == {"id": 7, "shard": 0, "key": "k7", "class": int(y[7])}
+        exact = build_index(x, "flat").search(x[:200], 10)[1]
+        assert neighbour_recall(loaded.search(x[:200], 10)[1], exact) >= 0.8
+    (tmp_path / "flat" / "ids.npz").unlink()
+    with pytest.raises(FileNotFoundError, match="ids.npz is missing"):
+        load_index(tmp_path / "flat")
+
+
+def test_image_inputs_of_every_form() -> None:
+    rgb = np.random.default_rng(0).integers(0, 255, (9, 7, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    assert torch.equal(image_tensor(buf.getvalue()), torch.from_numpy(rgb).permute(2, 0, 1))
+    rgba = np.concatenate([rgb, np.full((9, 7, 1), 9, np.uint8)], axis=2)
+    assert torch.equal(image_tensor(rgba), image_tensor(rgb))
+    assert image_tensor(rgb[:, :, 0]).shape == (3, 9, 7)
+    with pytest.raises(ValueError, match="uint8"):
+        image_tensor(rgb.astype(np.float32))
+    with pytest.raises(ValueError, match="cannot decode"):
+        image_tensor(b"not an image")
+
+
+def test_best_tracker_patience_and_state() -> None:
+    tracker = BestTracker("eval/test/recall@1", "max", min_delta=0.01, patience=2)
+    assert tracker.update({"eval/test/recall@1": 0.5}, 10)
+    assert not tracker.update({"eval/test/recall@1": 0.505}, 20)  # below min_delta
+    assert not tracker.should_stop
+    restored = BestTracker("eval/test/recall@1", "max", 0.01, 2)
+    restored.load_state_dict(tracker.state_dict())
+    assert not restored.update({"eval/test/recall@1": 0.4}, 30) and restored.should_stop
+    assert (restored.score, restored.step) == (0.5, 10)
+    low = BestTracker("eval/test/map@r", "min")
+    assert low.update({"eval/test/map@r": 0.3}, 1) and low.update({"eval/test/map@r": 0.2}, 2)
+    assert not low.update({"eval/test/map@r": 0.25}, 3) and low.step == 2
+    assert resolve_best_metric("auto", ["small", "large"], (1, 5)) == "eval/small/recall@1"
+    assert resolve_best_metric("eval/large/map@r", ["small", "large"], (1, 5)) == "eval/large/map@r"
+    with pytest.raises(ValueError, match="train.best_metric='eval/test/recall@3'"):
+        resolve_best_metric("eval/test/recall@3", ["test"], (1, 2))

@@ -1,0 +1,77 @@
+"""Best checkpoint, early stopping, the run's MLflow models and registration, end to end on a local Ray
+cluster (real MLflow sqlite store, real glyph shards).
+
+min_delta is set beyond any possible improvement, so the first evaluation is the best and the second
+stops the run: a deterministic early stop whose best and final models are different checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from dmltrain.service.config import load_config
+from dmltrain.service.run import launch
+from dmltrain.service.serving.loading import load_embedding_model
+
+pytestmark = pytest.mark.service
+
+REPO = Path(__file__).parents[1]
+
+
+def test_best_checkpoint_early_stop_models_and_registry(
+    ray_cluster, glyphs_root: Path, tmp_path: Path
+) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = load_config(
+        REPO / "configs" / "quickstart.yaml",
+        [
+            f"data.root={glyphs_root}",
+            "data.prepare=null",
+            "run.name=best",
+            f"run.storage_path={tmp_path / 'ray_results'}",
+            "run.keep_checkpoints=1",
+            f"mlflow.tracking_uri={uri}",
+            "mlflow.register_as=quickstart-glyphs",
+            "train.steps=12",
+            "train.global_batch_size=32",
+            "train.chunk_size=16",
+            "train.eval_every=2",
+            "train.checkpoint_every=1",
+            "train.log_every=1",
+            "train.eval_at_start=false",
+            "train.best_metric=eval/test/map@r",
+            "train.early_stopping_patience=1",
+            "train.early_stopping_min_delta=1.0",
+            "eval.max_images=400",
+            "eval.grid_queries=0",
+        ],
+    )
+    outcome = launch(config)
+    client = MlflowClient(uri)
+    run = client.get_run(outcome.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert (
+        run.data.tags["dmltrain.early_stopped_at_step"] == "4" and run.data.tags["dmltrain.best_step"] == "2"
+    )
+    assert max(m.step for m in client.get_metric_history(outcome.mlflow_run_id, "train/loss")) == 4
+    # Ray kept the best (step 2) and the latest (step 4) only; the others were deleted as they aged.
+    kept = sorted(p for p in (tmp_path / "ray_results" / "best").glob("checkpoint_*") if p.is_dir())
+    assert len(kept) == 2, kept
+    # No optimizer state went to MLflow by default: the run holds models, not checkpoints.
+    assert not [a for a in client.list_artifacts(outcome.mlflow_run_id) if a.path == "checkpoints"]
+    final = load_embedding_model(f"runs:/{outcome.mlflow_run_id}/model", uri)
+    best = load_embedding_model(f"runs:/{outcome.mlflow_run_id}/best_model", uri)
+    assert (final.step, best.step) == (4, 2)
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(final.net.state_dict().values(), best.net.state_dict().values(), strict=True)
+    )
+    assert outcome.registered == "models:/quickstart-glyphs/1"
+    version = client.get_model_version("quickstart-glyphs", "1")
+    assert version.run_id == outcome.mlflow_run_id
+    registered = load_embedding_model("models:/quickstart-glyphs/1", uri)
+    assert registered.step == 4
