@@ -11,9 +11,11 @@ Printed, from the same run:
   rank's classes (one piece of at most K per class) bound it; before, one loader worker's classes had to
   fill a whole local batch (the nominal old ceiling is B <= C K / W);
 - images/s of batch formation over both ranks, against decode + augment of the same bytes in this
-  process (one core; the loaders use every core the machine gives them);
+  process (one core; the loaders use every core the machine gives them), and the CPU time per image of
+  both (loader workers and main process together, from /proc): the ratio that contention barely moves;
 - distinct classes and images per class in every global batch, and that every batch is exactly B;
-- the main process's cost of joining the parts (torch.cat of one local batch), as a share of a step;
+- the main process's cost of joining the parts (torch.cat of one local batch), as a share of a step, and
+  the copy rate at 224 px (the loader joins in a background thread, one step ahead of the caller);
 - the encoded images the workers buffer (state of every worker: what "bounded by the pool" means here).
 The machine may be shared: rates are rough, ratios come from this run.
 """
@@ -65,18 +67,33 @@ def old_ceiling(plan_holdings: list, k: int, ranks: int) -> int:
     return ranks * min(sum(largest_piece(n, k) for n in h.runs.values()) for h in plan_holdings)
 
 
-def decode_rate(blobs: list[bytes], size: int) -> float:
-    """Images/s of decode + augment of the same bytes in this process, one thread (the baseline)."""
+def decode_rate(blobs: list[bytes], size: int) -> tuple[float, float]:
+    """(images/s, CPU seconds an image) of decode + augment of the same bytes in this process, one
+    thread: the baseline."""
     transform = train_transform(size)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for blob in blobs:
             transform(decode(blob))
-        return len(blobs) / (time.perf_counter() - start)
+        return len(blobs) / (time.perf_counter() - start), (time.process_time() - cpu) / len(blobs)
     finally:
         torch.set_num_threads(threads)
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process (all its threads) and its live children (the loader workers), from
+    /proc: unlike wall time, barely moved by other jobs on a shared machine."""
+    me, tick, total = os.getpid(), os.sysconf("SC_CLK_TCK"), 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return time.process_time() + total / tick
 
 
 @dataclass
@@ -84,6 +101,7 @@ class Formed:
     """What forming `steps` global batches measured."""
 
     seconds: float
+    cpu_seconds: float
     warm_seconds: float
     sizes: set[int]
     classes: list[int]
@@ -105,7 +123,7 @@ def form(root: Path, spec: SamplerSpec, args: argparse.Namespace, local: int, pa
         loader.next_batch()
     warm = time.perf_counter() - start
     sizes, classes, per_class = set(), [], Counter()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     for _ in range(args.steps):
         batches = [loader.next_batch() for loader in loaders]
         labels = torch.cat([labels for _, labels, _ in batches])
@@ -113,7 +131,7 @@ def form(root: Path, spec: SamplerSpec, args: argparse.Namespace, local: int, pa
         sizes.add(len(labels))
         classes.append(len(counts))
         per_class.update(counts.values())
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     pieces = list(torch.split(batches[0][0], [p for p in parts if p]))
     join = []
     for _ in range(3):  # what the main process adds per local batch: one torch.cat of the parts
@@ -125,7 +143,7 @@ def form(root: Path, spec: SamplerSpec, args: argparse.Namespace, local: int, pa
     for loader in loaders:
         loader.close()
     buffered = [len(w["batcher"]["refs"]) for w in states]
-    return Formed(seconds, warm, sizes, classes, per_class, min(join), join_224, buffered)
+    return Formed(seconds, cpu, warm, sizes, classes, per_class, min(join), join_224, buffered)
 
 
 def join_seconds(parts: list[int], size: int, limit: int = 1024) -> float:
@@ -182,24 +200,34 @@ def main() -> None:
             f"largest global batch that forms on this data: now {new} (a rank's classes), before {old} "
             f"(one worker's classes; nominal C*K/W = {split.num_classes * k // w}) -> {new / old:.1f}x"
         )
+        blobs = _sample_blobs(root, 2000)
+        before = decode_rate(blobs, 8)  # the baseline on both sides of the timed batches (shared machine)
         got = form(root, spec, args, plan.batch_size, plan.parts[:w])
-        raw = decode_rate(_sample_blobs(root, 2000), 8)
+        after = decode_rate(blobs, 8)
+        raw, raw_cpu = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
     rate, step = args.steps * args.batch / got.seconds, got.seconds / args.steps
     print(f"warm-up (workers start, pools fill): {got.warm_seconds:.1f} s")
+    cpu_image = got.cpu_seconds / (args.steps * args.batch)
     print(
         f"batch formation: {rate:,.0f} images/s over both ranks ({step:.2f} s per global batch); decode + "
-        f"augment of the same bytes in this process on one core: {raw:,.0f} images/s -> {rate / raw:.2f}x"
+        f"augment of the same bytes in this process on one core: {raw:,.0f} images/s (before "
+        f"{before[0]:,.0f}, after {after[0]:,.0f}) -> {rate / raw:.2f}x"
+    )
+    print(
+        f"CPU per image: batch formation {1e3 * cpu_image:.3f} ms (loader workers + main process), decode + "
+        f"augment alone {1e3 * raw_cpu:.3f} ms -> formation costs {cpu_image / raw_cpu:.2f}x the decode"
     )
     print(
         f"every global batch holds {sorted(got.sizes)} images; distinct classes per batch "
         f"{min(got.classes)}..{max(got.classes)} (B/K = {need}); batches by images per class "
         f"{dict(sorted(got.per_class.items()))}"
     )
+    image_bytes = 3 * 224 * 224
     print(
         f"joining {w} parts into a local batch of {plan.batch_size} images: {1e3 * got.join_seconds:.2f} ms "
-        f"({got.join_seconds / step * 100:.2f}% of a global step); at 224 px it would take "
-        f"{1e3 * got.join_224_seconds:.0f} ms ({plan.batch_size / got.join_224_seconds:,.0f} images/s in the "
-        f"main process)"
+        f"({got.join_seconds / step * 100:.2f}% of a global step); at 224 px the copy runs at "
+        f"{image_bytes / got.join_224_seconds * plan.batch_size / 2**30:.2f} GiB/s here, "
+        f"{plan.batch_size / got.join_224_seconds:,.0f} images/s (done in a thread, one step ahead)"
     )
     print(
         f"buffered per worker: {min(got.buffered)}..{max(got.buffered)} encoded images (default pool 8 x "

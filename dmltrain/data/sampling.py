@@ -206,19 +206,12 @@ class PoolBatcher(Batcher):
     def _select(self) -> list[Sample] | None:
         """One piece per class, in a random order over the pool's pieces (so a class is drawn as often as
         it has pieces: a pass over the data per epoch); None, with the pool untouched, when short."""
-        items: list[Item] = []
-        seen: set[int] = set()
-        for i in self.rng.permutation(len(self.pool)):
-            cls = self.pool[i][0].cls
-            if cls not in seen:
-                seen.add(cls)
-                items.append((int(i), cls, len(self.pool[i])))
+        order = self.rng.permutation(len(self.pool))
+        items = _first_piece_per_class(self.pool, order)  # lazy: a full part rarely scans the whole pool
         fill = Fill(self.batch_size)
         cut: tuple[int, int] | None = None  # (pool index, images taken) of a piece cut to fit
         if self.k is not None:  # pk: the piece that overflows is cut (pieces are cuts of a class anyway)
             for item in items:
-                if fill.need == 0:
-                    break
                 i, cls, size = item
                 if cls in fill.used:
                     continue
@@ -226,9 +219,14 @@ class PoolBatcher(Batcher):
                     fill.take(item)
                 elif size > fill.need >= 2:
                     cut, fill.need = (i, fill.need), 0
+                if fill.need == 0:
+                    break
         else:
             take_greedy(items, fill, fill.need)
+        if fill.need:  # short: every class of the pool is a candidate for an exchange or a cut
+            items = _first_piece_per_class(self.pool, order)
         if fill.need and not repair(fill, items) and fill.need >= 2:
+            items = _first_piece_per_class(self.pool, order)
             big = next((it for it in items if it[1] not in fill.used and it[2] > fill.need), None)
             if big is not None:  # whole classes cannot add up: cut one, counted
                 cut, fill.need = (big[0], fill.need), 0
@@ -282,6 +280,16 @@ class PoolBatcher(Batcher):
         self.pool = [[next(flat) for _ in range(n)] for n in state["part_sizes"]]
         self.size = sum(state["part_sizes"])
         self.pool_classes = Counter(p[0].cls for p in self.pool)
+
+
+def _first_piece_per_class(pool: list[list[Sample]], order: np.ndarray) -> Iterator[Item]:
+    """(pool index, class, images) of each class's first piece in `order`."""
+    seen: set[int] = set()
+    for i in order:
+        cls = pool[i][0].cls
+        if cls not in seen:
+            seen.add(cls)
+            yield int(i), cls, len(pool[i])
 
 
 Quota = list[tuple[int | None, int]]  # (category, images) of one part; None = any category
@@ -348,9 +356,10 @@ class ReservoirBatcher(Batcher):
         if part == 0:
             return []
         read = 0
-        buffered = sum(self.size.values())
-        while read < part or buffered + read < min(self.pool_images, self.pass_images):
-            read += self._ingest(self.stream.next_group())  # (the first step primes the buffers)
+        # Empty buffers (the first step) are primed with a pool's worth; later steps read one part.
+        target = part if sum(self.size.values()) else max(part, min(self.pool_images, self.pass_images))
+        while read < target:
+            read += self._ingest(self.stream.next_group())
         for c, n in quota:
             if c is not None:
                 self._read_ahead(c, 2 * n)
