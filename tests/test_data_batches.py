@@ -6,6 +6,9 @@ VehicleID keeps every model. Real shards written by the project's own prepare pa
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -160,8 +163,44 @@ def test_prepare_data_refuses_an_infeasible_batch_before_ray(forty: Path) -> Non
     ok = load_config(repo / "configs" / "quickstart.yaml", [*overrides, "train.global_batch_size=160"])
     prepare_data(ok)
     bad = load_config(repo / "configs" / "quickstart.yaml", [*overrides, "train.global_batch_size=200"])
-    with pytest.raises(ConfigError, match=r"^train.global_batch_size=200 / sampler.samples_per_class=4 = 50"):
+    with pytest.raises(ConfigError) as error:
         prepare_data(bad)
+    assert str(error.value) == bad_message(forty)
+
+
+@pytest.mark.service
+def test_the_driver_refuses_an_infeasible_batch_in_one_line_without_ray(forty: Path, tmp_path: Path) -> None:
+    """`python -m dmltrain.run`: exit status 2 and one line, Ray never contacted (its address is
+    unreachable). Slow only because the driver imports Ray before checking the data."""
+    repo = Path(__file__).resolve().parents[1]
+    overrides = [f"data.root={forty}", "data.prepare=null", "scaling.num_workers=2", "data.loader_workers=3"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dmltrain.run",
+            "configs/quickstart.yaml",
+            *overrides,
+            "train.global_batch_size=200",
+            f"run.storage_path={tmp_path}",
+            f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: {bad_message(forty)}"], proc.stderr
+
+
+def bad_message(root: Path) -> str:
+    return (
+        f"train.global_batch_size=200 / sampler.samples_per_class=4 = 50 classes per batch, but {root} has "
+        f"40 train classes (of 2+ images)"
+    )
 
 
 def _counter(ranks: list[TrainLoader], name: str) -> int:

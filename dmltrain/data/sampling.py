@@ -362,7 +362,7 @@ class ReservoirBatcher(Batcher):
             read += self._ingest(self.stream.next_group())
         for c, n in quota:
             if c is not None:
-                self._read_ahead(c, 2 * n)
+                self._read_ahead(c, n)
         fill = Fill(part)
         for c, n in quota:  # each category's share, as exactly as its whole classes allow
             share = Fill(n, fill.used)
