@@ -373,8 +373,8 @@ class TrainPlan:
             largest = ", ".join(f"{self.info.category_names[c]!r} {labelled[c]}" for c in top) or "none"
             raise BatchError(
                 f"sampler.name=hard takes half of train.global_batch_size={big} = {half} images from each of "
-                f"two categories, but {len(enough)} of {self.where}'s {len(labelled)} train categories hold "
-                f"that many in classes of 2+ images (largest: {largest})"
+                f"two categories, but {len(enough)} of the {len(labelled)} train categories of {self.where} "
+                f"hold that many in classes of 2+ images (largest: {largest})"
             )
         pairs = [(a, b) for a, b in combinations(sorted(labelled), 2) if labelled[a] + labelled[b] >= big]
         paired = {c for pair in pairs for c in pair}
