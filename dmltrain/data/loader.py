@@ -1,17 +1,23 @@
 """What the trainer and the evaluator iterate: `TrainLoader` (endless sampled batches, checkpointable) and
 `EvalLoader` (each rank a disjoint part of a split, in order).
 
-Each DataLoader worker runs a `GroupStream` + batcher on its own shards, decodes and augments only the
-images of the batch it emits, and attaches its small sampler state to the batch. The main process keeps
-the state of the last batch it *consumed* from each worker, so `state_dict()` describes exactly what the
-model has seen, whatever the workers had prefetched.
+Every DataLoader worker runs a `GroupStream` + batcher on its own shards and fills its *part* of every
+local batch (the plan sizes parts by what each worker holds), decoding and augmenting only those images.
+The DataLoader hands worker outputs over in round-robin order, so the W parts of step s arrive one after
+another and the main process joins them into the local batch (in a thread, one step ahead of the
+caller): a batch draws on all of the rank's classes. Each part carries its worker's sampler state after
+that step; the main process keeps the states of the last batch it *returned*, so `state_dict()`
+describes exactly what the model has seen, whatever the workers had prefetched or joined ahead.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
-import warnings
-from collections.abc import Iterator
+import queue
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +26,15 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from dmltrain.data.metadata import DatasetInfo, load_dataset_info
-from dmltrain.data.sampling import (
-    Batcher,
-    CategorySchedule,
-    PairSchedule,
-    PoolBatcher,
-    ReservoirBatcher,
-    SamplerSpec,
-    TripletBatcher,
-)
+from dmltrain.data.plan import TrainPlan
+from dmltrain.data.sampling import Batcher, PoolBatcher, ReservoirBatcher, SamplerSpec, TripletBatcher
 from dmltrain.data.shards import Sample, read_shard
-from dmltrain.data.stream import GroupStream, check_enough_shards, consumer_shards, resolve_rank
+from dmltrain.data.stream import GroupStream, rank_shards, resolve_rank
 from dmltrain.data.transforms import Transform, decode, test_transform, train_transform
 
-STATE_VERSION = 1
+# 2: every worker fills a part of every step (1: each worker built whole batches of every W-th step), and
+# shards go to ranks first, then to a rank's workers.
+STATE_VERSION = 2
 
 
 def collate(samples: list[Sample], transform: Transform) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,147 +67,149 @@ def _as_is(item: Any) -> Any:
     return item
 
 
-class TrainPlan:
-    """Everything derivable from dataset.json alone, identical on every rank: shard assignment, the
-    categories every consumer can serve, the schedule and the number of steps per epoch."""
-
-    def __init__(
-        self, info: DatasetInfo, split: str, spec: SamplerSpec, batch_size: int, world_size: int, workers: int
-    ) -> None:
-        shards = info.split(split).shards
-        check_enough_shards(split, len(shards), world_size, workers)
-        self.shard_samples = [s.num_samples for s in shards]
-        self.consumers = world_size * workers
-        self.global_batch = batch_size * world_size
-        self.category_counts: list[dict[int, int]] = []
-        self.samples: list[int] = []
-        for consumer in range(self.consumers):
-            counts: dict[int, int] = {}
-            for i in consumer_shards(len(shards), consumer, self.consumers):
-                for c, n in shards[i].category_counts or [(-1, shards[i].num_samples)]:
-                    counts[c] = counts.get(c, 0) + n
-            self.category_counts.append(counts)
-            self.samples.append(sum(counts.values()))
-        self.imbalance = max(self.samples) / max(1, min(self.samples))
-        if self.imbalance > 1.25:
-            warnings.warn(
-                f"split {split!r}: consumers hold {min(self.samples)}..{max(self.samples)} images "
-                f"({len(shards)} shards over {self.consumers} consumers); smaller consumers revisit their "
-                f"data "
-                f"more often. Prepare with a smaller --shard-size for an even spread.",
-                stacklevel=3,
-            )
-        totals: dict[int, int] = {}
-        for counts in self.category_counts:
-            for c, n in counts.items():
-                totals[c] = totals.get(c, 0) + n
-        served = [c for c in sorted(totals) if all(counts.get(c, 0) >= 2 for counts in self.category_counts)]
-        self.schedule: PairSchedule | CategorySchedule | None = None
-        self.excluded_categories: list[int] = []
-        usable = info.split(split).num_samples - len(info.split(split).singleton_classes)
-        if spec.name == "hard":
-            if not info.category_names:
-                raise ValueError(f"hard sampling needs category labels; {info.name!r} has none")
-            eligible = [c for c in served if c >= 0]
-            self.excluded_categories = sorted(c for c in totals if c >= 0 and c not in eligible)
-            per_pair = spec.batches_per_pair or int(info.sampling_hints.get("batches_per_pair", 1))
-            self.schedule = PairSchedule(eligible, per_pair, spec.seed)
-            self.steps_per_epoch = self.schedule.round_length
-        elif spec.name == "vehicleid":
-            if -1 not in served:
-                raise ValueError(
-                    "vehicleid sampling needs unlabelled classes (category -1) on every consumer"
-                )
-            eligible = [c for c in served if c >= 0]
-            self.excluded_categories = sorted(c for c in totals if c >= 0 and c not in eligible)
-            self.schedule = CategorySchedule({c: totals[c] for c in eligible}, self.global_batch, spec.seed)
-            self.steps_per_epoch = self.schedule.round_length
-        elif spec.name == "triplet":
-            self.steps_per_epoch = max(1, usable // (world_size * (batch_size // 3)))
-        else:
-            self.steps_per_epoch = max(1, usable // self.global_batch)
-        if self.excluded_categories:
-            names = [info.category_names[c] for c in self.excluded_categories[:8]]
-            warnings.warn(
-                f"{len(self.excluded_categories)} categories are not held by every consumer and are left out "
-                f"of {spec.name} sampling (e.g. {names}); fewer shards per consumer would keep them",
-                stacklevel=3,
-            )
-
-    def local_share(self, consumer: int) -> dict[int, float]:
-        counts = self.category_counts[consumer]
-        total = max(1, sum(counts.values()))
-        return {c: n / total for c, n in counts.items()}
-
-
 class TrainStream(IterableDataset):
-    """Runs inside each DataLoader worker: stream -> batcher -> decode + augment -> batch + sampler state."""
+    """Runs inside each DataLoader worker: stream -> batcher -> decode + augment -> part + sampler state."""
 
     def __init__(
         self,
         urls: list[str],
         plan: TrainPlan,
-        spec: SamplerSpec,
-        batch_size: int,
         rank: int,
-        workers: int,
         transform: Transform,
-        seed: int,
         worker_states: dict[int, dict[str, Any]],
-        first_worker: int,
     ) -> None:
         super().__init__()
-        self.urls, self.plan, self.spec, self.batch_size = urls, plan, spec, batch_size
-        self.rank, self.workers, self.transform, self.seed = rank, workers, transform, seed
+        self.urls, self.plan, self.rank, self.transform = urls, plan, rank, transform
         self.worker_states = worker_states
-        self.first_worker = first_worker
 
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
         info = get_worker_info()
-        loader_id = info.id if info is not None else 0
-        # The DataLoader always starts with its worker 0; after a resume at step n that worker must play
-        # the part of logical worker n mod W so batches keep the uninterrupted round-robin order.
-        worker = (loader_id + self.first_worker) % self.workers
-        consumer = self.rank * self.workers + worker
-        shard_ids = consumer_shards(len(self.urls), consumer, self.plan.consumers)
-        stream = GroupStream(self.urls, shard_ids, self.seed, consumer, self.plan.shard_samples)
+        worker = info.id if info is not None else 0
+        consumer = self.rank * self.plan.workers + worker
+        seed = self.plan.spec.seed
+        shard_ids = self.plan.holdings[consumer].shards
+        stream = GroupStream(self.urls, shard_ids, seed, consumer, self.plan.shard_samples)
         batcher = self._batcher(stream, consumer)
-        local_step = 0
+        step = 0
         state = self.worker_states.get(worker)
         if state is not None:
             stream.load_state_dict(state["stream"])
             batcher.load_state_dict(state["batcher"])
-            local_step = int(state["local_step"])
+            step = int(state["step"])
         while True:
-            step = worker + self.workers * local_step  # this rank's (= the global) step index
             samples = batcher.next_batch(step)
-            with torch.random.fork_rng(devices=[]):
-                # Only the CPU generator: torch.manual_seed also queues lazy CUDA/MPS seeding with a
-                # formatted stack trace on every call (0.4 ms, against 2 us for the CPU generator alone).
-                torch.default_generator.manual_seed(
-                    int(np.random.SeedSequence([self.seed, consumer, local_step]).generate_state(1)[0])
-                )
-                images, labels, categories = collate(samples, self.transform)
-            local_step += 1
-            state = {"local_step": local_step, "stream": stream.state_dict(), "batcher": batcher.state_dict()}
-            yield images, labels, categories, [s.key for s in samples], worker, state
+            part = None
+            if samples:
+                with torch.random.fork_rng(devices=[]):
+                    # Only the CPU generator: torch.manual_seed also queues lazy CUDA/MPS seeding with a
+                    # formatted stack trace on every call (0.4 ms, against 2 us for the CPU generator alone).
+                    torch.default_generator.manual_seed(
+                        int(np.random.SeedSequence([seed, consumer, step]).generate_state(1)[0])
+                    )
+                    part = collate(samples, self.transform)
+            step += 1
+            state = {"step": step, "stream": stream.state_dict(), "batcher": batcher.state_dict()}
+            yield part, [s.key for s in samples], worker, step - 1, state
 
     def _batcher(self, stream: GroupStream, consumer: int) -> Batcher:
-        seed = int(np.random.SeedSequence([self.seed, 3, consumer]).generate_state(1)[0])
-        if self.spec.name in ("pk", "random"):
-            return PoolBatcher(stream, self.batch_size, self.spec, seed)
-        if self.spec.name == "triplet":
-            return TripletBatcher(stream, self.batch_size, self.spec, seed, self.plan.local_share(consumer))
-        assert self.plan.schedule is not None
+        plan, spec = self.plan, self.plan.spec
+        seed = int(np.random.SeedSequence([spec.seed, 3, consumer]).generate_state(1)[0])
+        where = plan.name(consumer)
+        held = plan.holdings[consumer]
+        if spec.name in ("pk", "random"):
+            assert plan.parts is not None
+            return PoolBatcher(
+                stream,
+                plan.parts[consumer],
+                spec,
+                seed,
+                where,
+                held.classes,
+                held.images,
+                plan.capacity[consumer],
+            )
+        if spec.name == "triplet":
+            assert plan.parts is not None
+            return TripletBatcher(stream, plan.parts[consumer], spec, seed, where, plan.local_share(consumer))
         return ReservoirBatcher(
-            stream, self.batch_size, self.spec, seed, self.plan.schedule, self.plan.category_counts[consumer]
+            stream,
+            spec,
+            seed,
+            where,
+            lambda step: plan.quota(step, consumer),
+            held.categories,
+            plan.largest_quota(consumer),
+            plan.typical_part(consumer),
         )
+
+
+_Step = tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[str], dict[int, dict[str, Any]]]
+
+
+def _read_step(iterator: Iterator[Any], workers: int, steps: Iterator[int]) -> _Step:
+    """The W parts of the next step from the DataLoader (which hands worker outputs over in round-robin
+    order), joined: (step, (images, labels, categories), keys, each worker's state after its part)."""
+    expected_step = next(steps)
+    parts, keys, states = [], [], {}
+    for expected in range(workers):
+        part, part_keys, worker, step, state = next(iterator)
+        if (worker, step) != (expected, expected_step):
+            raise RuntimeError(
+                f"loader order broken: expected worker {expected} at step {expected_step}, got worker "
+                f"{worker} at step {step}"
+            )
+        if part is not None:
+            parts.append(part)
+        keys += part_keys
+        states[worker] = state
+    joined = parts[0] if len(parts) == 1 else tuple(torch.cat(t) for t in zip(*parts, strict=True))
+    return expected_step, joined, keys, states
+
+
+class _JoinAhead:
+    """Reads and joins the parts of the next step in a background thread while the caller trains on the
+    current one: torch.cat releases the GIL, so the copy (about 150 KB an image at 224 px) leaves the
+    caller's critical path. All sampling and decoding stays in the loader worker processes."""
+
+    def __init__(self, iterator: Iterator[Any], workers: int, step: int) -> None:
+        self._queue: queue.Queue[_Step | BaseException] = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        steps = itertools.count(step)
+        self._thread = threading.Thread(target=self._run, args=(iterator, workers, steps), daemon=True)
+        self._thread.start()
+
+    def _run(self, iterator: Iterator[Any], workers: int, steps: Iterator[int]) -> None:
+        while not self._stop.is_set():
+            try:
+                item: _Step | BaseException = _read_step(iterator, workers, steps)
+            except BaseException as exc:  # handed to the caller, with its traceback
+                item = exc
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+
+    def get(self) -> _Step:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop after the step being read; the DataLoader (and its workers) go with the thread."""
+        self._stop.set()
 
 
 class TrainLoader:
     """Endless class-structured batches `(images uint8 (B,C,H,W), labels int64 (B,), categories int64 (B,))`
     for one rank; `for batch in loader` runs one epoch (`steps_per_epoch` steps) and the next loop
-    continues the stream. `state_dict()`/`load_state_dict()` resume it exactly (per rank)."""
+    continues the stream. `state_dict()`/`load_state_dict()` resume it exactly (per rank). A batch the
+    data cannot fill raises `plan.BatchError` here (`plan.check_batch` finds it before any worker starts).
+    """
 
     def __init__(
         self,
@@ -240,12 +243,15 @@ class TrainLoader:
         self.with_keys = with_keys
         self.prefetch_factor = prefetch_factor
         self.multiprocessing_context = multiprocessing_context
-        self.plan = TrainPlan(self.info, split, self.spec, batch_size, self.world_size, self.workers)
+        self.plan = TrainPlan(
+            self.info, split, self.spec, batch_size, self.world_size, self.workers, where=self.root
+        )
         self.steps_per_epoch = self.plan.steps_per_epoch
         self.urls = self.info.shard_urls(self.root, split)
         self.step = 0
         self._worker_states: dict[int, dict[str, Any]] = {}
-        self._iterator: Iterator[Any] | None = None
+        self._source: Callable[[], _Step] | None = None
+        self._joiner: _JoinAhead | None = None
 
     @property
     def epoch(self) -> int:
@@ -259,30 +265,23 @@ class TrainLoader:
             yield self.next_batch()
 
     def next_batch(self) -> tuple[Any, ...]:
-        if self._iterator is None:
-            self._iterator = iter(self._dataloader())
-        images, labels, categories, keys, worker, state = next(self._iterator)
-        if worker != self.step % self.workers:
-            raise RuntimeError(
-                f"loader order broken: expected worker {self.step % self.workers}, got {worker}"
-            )
-        self._worker_states[worker] = state
+        """The next local batch: the parts of this step from every loader worker, joined in worker order."""
+        if self._source is None:
+            iterator = iter(self._dataloader())
+            if self.workers > 1:
+                self._joiner = _JoinAhead(iterator, self.workers, self.step)
+                self._source = self._joiner.get
+            else:  # one part is the batch: nothing to join, and no thread beside the caller's RNG use
+                self._source = functools.partial(_read_step, iterator, 1, itertools.count(self.step))
+        step, (images, labels, categories), keys, states = self._source()
+        if len(labels) != self.batch_size or step != self.step:
+            raise RuntimeError(f"step {self.step}: got step {step} with {len(labels)} images")
+        self._worker_states = states
         self.step += 1
         return (images, labels, categories, keys) if self.with_keys else (images, labels, categories)
 
     def _dataloader(self) -> DataLoader:
-        dataset = TrainStream(
-            self.urls,
-            self.plan,
-            self.spec,
-            self.batch_size,
-            self.rank,
-            self.workers,
-            self.transform,
-            self.spec.seed,
-            dict(self._worker_states),
-            self.step % self.workers,
-        )
+        dataset = TrainStream(self.urls, self.plan, self.rank, self.transform, dict(self._worker_states))
         extra: dict[str, Any] = {}
         if self.num_workers > 0:
             extra = {
@@ -303,7 +302,8 @@ class TrainLoader:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Small, picklable: step count plus each worker's stream position, sampler RNG and buffer refs."""
+        """Small, picklable: the step count plus each worker's stream position, sampler RNG and buffer
+        refs after its part of the last returned batch."""
         return {
             "version": STATE_VERSION,
             "step": self.step,
@@ -324,8 +324,11 @@ class TrainLoader:
         self._worker_states = {int(w): s for w, s in state["workers"].items()}
 
     def close(self) -> None:
-        """Stop the worker processes (the next batch starts new ones from the current state)."""
-        self._iterator = None
+        """Stop the worker processes (the next batch starts new ones from the current state); batches
+        prefetched or joined ahead are dropped."""
+        if self._joiner is not None:
+            self._joiner.close()
+        self._source = self._joiner = None
 
 
 class EvalStream(IterableDataset):
@@ -387,9 +390,9 @@ class EvalLoader:
         self.rank, self.world_size = resolve_rank(rank, world_size)
         shards = self.info.split(split).shards
         urls = self.info.shard_urls(self.root, split)
-        self.shards = consumer_shards(len(shards), self.rank, self.world_size)
+        self.shards = rank_shards(len(shards), self.rank, self.world_size)
         self.rank_counts = [
-            sum(shards[i].num_samples for i in consumer_shards(len(shards), r, self.world_size))
+            sum(shards[i].num_samples for i in rank_shards(len(shards), r, self.world_size))
             for r in range(self.world_size)
         ]
         self.num_samples = self.rank_counts[self.rank]
