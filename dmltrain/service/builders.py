@@ -56,8 +56,10 @@ def build_loss(cfg: LossConfig) -> RankingLoss:
     if isinstance(cfg, SmoothAPConfig):
         return SmoothAPLoss(temperature=cfg.temperature)
     if isinstance(cfg, RankedListConfig):
-        return RankedListLoss(margin=cfg.margin, alpha=cfg.alpha, tn=cfg.tn, tp=cfg.tp, lam=cfg.lam)
-    return TripletLoss(margin=cfg.margin)
+        return RankedListLoss(
+            margin=cfg.margin, alpha=cfg.alpha, tn=cfg.tn, tp=cfg.tp, lam=cfg.lam, gradient=cfg.gradient
+        )
+    return TripletLoss(margin=cfg.margin, triplets=cfg.triplets)
 
 
 def build_tn_schedule(cfg: LossConfig, loss: RankingLoss) -> TnSchedule | None:

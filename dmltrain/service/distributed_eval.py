@@ -66,6 +66,7 @@ def embed_split(
         num_workers=config.data.loader_workers,
         image_size=config.data.image_size,
         resize=config.data.resize,
+        resize_mode=config.data.resize_mode,
         info=info,
     )
     was_training = net.training
