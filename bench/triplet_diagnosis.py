@@ -23,7 +23,7 @@ import torch
 from dmltrain.data import EvalLoader, SamplerSpec, TrainLoader, ensure_glyphs
 from dmltrain.engine import global_batch_step
 from dmltrain.evaluation import retrieval_metrics
-from dmltrain.losses import RankingLoss, SmoothAPLoss, TripletLoss
+from dmltrain.losses import RankedListLoss, RankingLoss, SmoothAPLoss, TripletLoss
 from dmltrain.models import EmbeddingNet, build_model, normalize_images, parameter_groups
 
 
@@ -67,13 +67,16 @@ def batch_stats(model: EmbeddingNet, images: torch.Tensor, labels: torch.Tensor)
 def build_loss(args: argparse.Namespace) -> RankingLoss:
     if args.loss == "smoothap":
         return SmoothAPLoss(temperature=0.01)
+    if args.loss == "rll":
+        return RankedListLoss(gradient=args.rll_gradient)
     return TripletLoss(margin=args.margin, triplets=args.triplets)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="/tmp/dmltrain-glyphs")
-    parser.add_argument("--loss", choices=["triplet", "smoothap"], default="triplet")
+    parser.add_argument("--loss", choices=["triplet", "smoothap", "rll"], default="triplet")
+    parser.add_argument("--rll-gradient", choices=["both", "query"], default="both")
     parser.add_argument("--triplets", choices=["sampled", "all"], default="sampled")
     parser.add_argument("--sampler", choices=["triplet", "pk"], default="triplet")
     parser.add_argument("--in-category-negatives", type=float, default=0.5)
