@@ -59,8 +59,10 @@ def build_loss(cfg: LossConfig) -> RankingLoss:
     if isinstance(cfg, SmoothAPConfig):
         return SmoothAPLoss(temperature=cfg.temperature)
     if isinstance(cfg, RankedListConfig):
-        return RankedListLoss(margin=cfg.margin, alpha=cfg.alpha, tn=cfg.tn, tp=cfg.tp, lam=cfg.lam)
-    return TripletLoss(margin=cfg.margin)
+        return RankedListLoss(
+            margin=cfg.margin, alpha=cfg.alpha, tn=cfg.tn, tp=cfg.tp, lam=cfg.lam, gradient=cfg.gradient
+        )
+    return TripletLoss(margin=cfg.margin, triplets=cfg.triplets)
 
 
 def build_tn_schedule(cfg: LossConfig, loss: RankingLoss) -> TnSchedule | None:
@@ -74,7 +76,7 @@ def build_tn_schedule(cfg: LossConfig, loss: RankingLoss) -> TnSchedule | None:
 def build_test_transform(config: ExperimentConfig) -> Transform:
     """The test-time resize + centre crop of a run: evaluation, the served MLflow model and `dmltrain index`
     all take it from here, so they see images exactly alike."""
-    return test_transform(config.data.image_size, config.data.resize)
+    return test_transform(config.data.image_size, config.data.resize, config.data.resize_mode)
 
 
 def build_network(config: ModelConfig, pretrained: bool = True) -> EmbeddingNet:

@@ -153,6 +153,8 @@ class WorkerLoop:
             num_workers=config.data.loader_workers,
             image_size=config.data.image_size,
             crop_scale=config.data.crop_scale,
+            resize_mode=config.data.resize_mode,
+            resize=config.data.resize,
             info=self.info,
         )
         self.autocast = (
