@@ -35,6 +35,7 @@ from dmltrain.service.checkpoints import (
 from dmltrain.service.config import ExperimentConfig
 from dmltrain.service.distributed_eval import evaluate
 from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
+from dmltrain.service.memory import peak_rss_mb, reset_peak_rss
 from dmltrain.service.tracking import CHECKPOINT_STEP_TAG, RunLogger
 
 log = logging.getLogger("dmltrain.service.train")
@@ -89,6 +90,7 @@ class _Window:
             "train/data_wait_share": self.data_seconds / seconds,
             "train/comm_share": self.comm_seconds / seconds,
             "train/valid_query_share": self.valid / max(self.queries, 1),
+            "train/step_seconds": self.seconds / max(self.steps, 1),
         }
 
 
@@ -354,6 +356,7 @@ class WorkerLoop:
         cfg = self.config.train
         if self.step == 0 and cfg.eval_at_start:
             self._log(self._evaluate())
+        reset_peak_rss()  # train/peak_rss_mb: the training steps' peak, not the evaluation's
         window = _Window()
         while self.step < cfg.steps:
             stats = self._train_step()
@@ -364,6 +367,7 @@ class WorkerLoop:
                 metrics = window.metrics() if window.steps else {}
                 metrics.update(
                     {
+                        "train/peak_rss_mb": peak_rss_mb(),  # of the steps since the last evaluation
                         "train/lr": self.optimizer.param_groups[0]["lr"],
                         "train/grad_norm": stats.grad_norm,
                         "train/skipped_steps": self.counters.skipped_steps,
@@ -384,6 +388,8 @@ class WorkerLoop:
                 window = _Window()
             evaluate_now = last or self.step % cfg.eval_every == 0
             evaluated = self._evaluate() if evaluate_now else {}  # metrics on rank 0 only
+            if evaluate_now:
+                reset_peak_rss()
             self._log(evaluated)
             stop = evaluate_now and self.best is not None and self._judge(evaluated)
             # Decided from the step alone, so every rank reaches Ray's report barrier at the same step.
