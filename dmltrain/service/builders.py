@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from dmltrain.data.transforms import Transform, test_transform
+from dmltrain.data.transforms import Transform, test_transform, train_transform
 from dmltrain.losses import FastAPLoss, RankedListLoss, RankingLoss, SmoothAPLoss, TnSchedule, TripletLoss
 from dmltrain.models import EmbeddingNet, build_model, parameter_groups
 from dmltrain.service.config import (
@@ -71,6 +71,19 @@ def build_tn_schedule(cfg: LossConfig, loss: RankingLoss) -> TnSchedule | None:
         assert isinstance(loss, RankedListLoss)
         return TnSchedule(loss, cfg.tn_schedule.start, cfg.tn_schedule.end, cfg.tn_schedule.steps)
     return None
+
+
+def build_train_transform(config: ExperimentConfig) -> Transform:
+    """The run's training augmentation: random resized crop (after the papers' warp in ``warp`` mode) and,
+    unless ``data.flip`` is off, a horizontal flip."""
+    data = config.data
+    return train_transform(
+        data.image_size,
+        scale=data.crop_scale,
+        flip=data.flip,
+        resize_mode=data.resize_mode,
+        resize=data.resize,
+    )
 
 
 def build_test_transform(config: ExperimentConfig) -> Transform:

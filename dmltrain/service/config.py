@@ -45,6 +45,11 @@ class DataConfig(_Section):
         "is first warped to resize x resize (FastAP 5.1, Smooth-AP 5.3, RLL 4.1.2).",
     )
     crop_scale: tuple[float, float] = Field(default=(0.16, 1.0), description="RandomResizedCrop scale range.")
+    flip: bool = Field(
+        default=True,
+        description="Random horizontal flips in training (the papers). Off for data whose mirror image is "
+        "another class: glyphs (b/d, acute/grave accents).",
+    )
     loader_workers: int = Field(default=2, ge=0, description="DataLoader processes per Ray worker.")
 
     @model_validator(mode="after")

@@ -24,7 +24,13 @@ from dmltrain.distributed import all_gather_objects, broadcast_object
 from dmltrain.engine import default_autocast_dtype, global_batch_step
 from dmltrain.models import EmbeddingNet, build_model, normalize_images
 from dmltrain.service.best import SCORE_KEY, BestTracker, resolve_best_metric, worst_score
-from dmltrain.service.builders import build_loss, build_optimizer, build_scheduler, build_tn_schedule
+from dmltrain.service.builders import (
+    build_loss,
+    build_optimizer,
+    build_scheduler,
+    build_tn_schedule,
+    build_train_transform,
+)
 from dmltrain.service.checkpoints import (
     TrainingState,
     load_state,
@@ -153,10 +159,7 @@ class WorkerLoop:
             rank=self.rank,
             world_size=self.world,
             num_workers=config.data.loader_workers,
-            image_size=config.data.image_size,
-            crop_scale=config.data.crop_scale,
-            resize_mode=config.data.resize_mode,
-            resize=config.data.resize,
+            transform=build_train_transform(config),
             info=self.info,
         )
         self.autocast = (

@@ -203,6 +203,7 @@ def run_sweep(sweep: Sweep) -> SweepOutcome:
         _baselines(sweep, trials[0], tracking_uri, parent_run_id, key)
         failed = _tune(sweep, trials, tracking_uri, parent_run_id, storage)
         results = order(collect(tracking_uri, parent_run_id), [t.label for t in trials])
+        unfinished = _unfinished(results, [t.label for t in trials], failed, tracking_uri)
         title = f"sweep {sweep.spec.name}"
         log_summary(tracking_uri, parent_run_id, results, title)
     except KeyboardInterrupt:
@@ -211,8 +212,28 @@ def run_sweep(sweep: Sweep) -> SweepOutcome:
     except BaseException:
         set_run_status(tracking_uri, parent_run_id, "FAILED")
         raise
-    set_run_status(tracking_uri, parent_run_id, "FAILED" if failed else "FINISHED")
-    return SweepOutcome(parent_run_id, tracking_uri, results, failed, summary_markdown(results, title))
+    status = "FAILED" if failed else "KILLED" if unfinished else "FINISHED"
+    set_run_status(tracking_uri, parent_run_id, status)
+    return SweepOutcome(
+        parent_run_id, tracking_uri, results, {**unfinished, **failed}, summary_markdown(results, title)
+    )
+
+
+def _unfinished(
+    results: list[TrialResult], labels: Sequence[str], failed: dict[str, str], tracking_uri: str
+) -> dict[str, str]:
+    """Trials that neither finished nor failed: Tune was interrupted (Ctrl-C) before or while they ran.
+    A child run left RUNNING by a stopped trial is marked KILLED (a relaunch resumes it)."""
+    runs = {r.label: r for r in results if r.kind == "trial"}
+    out = {}
+    for label in labels:
+        run = runs.get(label)
+        if run is not None and run.status == "RUNNING":
+            set_run_status(tracking_uri, run.run_id, "KILLED")
+            run.status = "KILLED"
+        if label not in failed and (run is None or run.status != "FINISHED"):
+            out[label] = f"did not finish (MLflow status {run.status if run else 'none: not started'})"
+    return out
 
 
 def _tune(
