@@ -11,10 +11,9 @@ scatter-add (deterministic on any device).
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from dmltrain.losses._rowwise import BlockResult, QueryBlock, add_at_columns
