@@ -144,9 +144,10 @@ def test_fp16_loop_scales_gradients_and_checkpoints_the_scaler(glyphs_root: Path
     tags = client.get_run(run_id).data.tags
     assert tags["dmltrain.precision"] == "fp16" and tags["dmltrain.device"].startswith("cpu")
     resumed = WorkerLoop(
-        config, run_id, uri, LocalContext(tmp_path, restore_from=tmp_path / "checkpoint_0002")
+        config, run_id, uri, LocalContext(tmp_path, restore_from=tmp_path / "checkpoint_0001")
     )
     assert resumed.scaler is not None and resumed.scaler.state_dict() == loop.scaler.state_dict()
+    assert resumed.scaler.state_dict() != torch.amp.GradScaler("cpu").state_dict()  # not a fresh scaler
 
 
 def test_compiled_channels_last_loop_computes_the_eager_step(

@@ -326,22 +326,37 @@ def _deep_copy(value: Any) -> Any:
 
 
 def _describe_errors(error: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}:"]
+    """One line per key; a union such as ``bool | "auto"`` lists its alternatives on that line."""
+    found: dict[str, list[tuple[str, Any]]] = {}
     for item in error.errors():
-        key = ".".join(str(p) for p in item["loc"] if not (isinstance(p, str) and p in _UNION_TAGS))
+        key = ".".join(str(p) for p in item["loc"] if not _is_union_member(p))
         if item["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key (typo?)")
+            found.setdefault(key, []).append(("unknown key (typo?)", _NO_INPUT))
         elif item["type"] == "missing":
-            lines.append(f"  {key}: required key is missing")
+            found.setdefault(key, []).append(("required key is missing", _NO_INPUT))
         elif item["type"] == "value_error":  # a cross-field check: its message names the keys itself
-            message = str(item["msg"]).removeprefix("Value error, ")
-            lines.append(f"  {key}: {message}" if key else f"  {message}")
+            found.setdefault(key, []).append((str(item["msg"]).removeprefix("Value error, "), _NO_INPUT))
         else:
-            lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
+            found.setdefault(key, []).append((item["msg"], item.get("input")))
+    lines = [f"invalid config {source}:"]
+    for key, problems in found.items():
+        text = " or ".join(message for message, _ in problems)
+        value = problems[0][1]
+        lines.append(f"  {key}: {text}" if key else f"  {text}")
+        if value is not _NO_INPUT:
+            lines[-1] += f" (got {value!r})"
     return "\n".join(lines)
 
 
+_NO_INPUT = object()
 _UNION_TAGS = {"fastap", "smoothap", "rll", "triplet"}
+
+
+def _is_union_member(part: object) -> bool:
+    """A location step naming a union's member (loss kind, ``bool``, ``literal['auto']``), not a key."""
+    return isinstance(part, str) and (
+        part in _UNION_TAGS or part in {"bool", "int", "float"} or part.startswith("literal[")
+    )
 
 
 def config_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> ExperimentConfig:

@@ -435,6 +435,8 @@ class WorkerLoop:
                         "train/empty_batches": self.counters.empty_batches,
                     }
                 )
+                if self.device.type == "cuda":  # GB = 1e9 bytes, peak allocated since the run started
+                    metrics["train/gpu_peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
                 if self.scaler is not None:
                     metrics["train/grad_scale"] = float(self.scaler.get_scale())
                     metrics["train/overflow_steps"] = self.counters.overflow_steps
