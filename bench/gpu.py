@@ -655,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         help="torch.compile backend (default inductor; --quick on CPU uses aot_eager)",
     )
     parser.add_argument("--loss-sizes", type=int, nargs="+", help="override the loss batch sizes")
+    parser.add_argument("--stream-sizes", type=int, nargs="+", help="loss sizes with a forced-streaming row")
     parser.add_argument("--engine-sizes", type=int, nargs="+", help="override the engine batch sizes")
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
@@ -671,6 +672,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = dict(QUICK if args.quick else FULL)
     if args.loss_sizes:
         plan["loss_sizes"] = args.loss_sizes
+    if args.stream_sizes:
+        plan["stream_sizes"] = args.stream_sizes
     if args.engine_sizes:
         plan["engine_sizes"] = args.engine_sizes
     rounds = args.rounds or (1 if args.quick else plan["steps"])

@@ -43,9 +43,16 @@ def no_tf32() -> Iterator[None]:
 
 
 def _resnet(seed: int = 0) -> torch.nn.Module:
+    """ResNet-18 whose frozen BatchNorm statistics come from data (as a pretrained network's would)."""
     torch.manual_seed(seed)
     model = build_model("resnet18", 128).to(CUDA)
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.reset_running_stats()
+            m.momentum = None  # cumulative average over the calibration batch
     model.train()
+    with torch.no_grad():
+        model(normalize_images(_images(128, seed=seed + 100)[0].to(CUDA)))
     freeze_batchnorm(model)
     return model
 
@@ -66,25 +73,43 @@ def _unchunked(model, images, labels, loss_fn, dtype=None, scale: float = 1.0) -
     return grads_of(model)
 
 
+def _cosine(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    a = torch.cat([got[k].flatten() for k in want])
+    b = torch.cat([want[k].flatten() for k in want])
+    return float(a @ b / (a.norm() * b.norm()))
+
+
 def _relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     diff = torch.cat([(got[k] - want[k]).flatten() for k in want])
     return float(diff.norm() / torch.cat([want[k].flatten() for k in want]).norm())
 
 
 def test_bf16_chunked_step_matches_fp32_within_tolerance(no_tf32: None) -> None:
-    """bf16 autocast (8 mantissa bits) through ResNet-18: the whole gradient within 5e-2 relative L2 of the
-    fp32 whole-batch gradient, and the chunking itself within 2e-2 of the unchunked bf16 step."""
+    """bf16 keeps 8 mantissa bits: through a random-init ResNet-18 the embeddings move by about 3% and the
+    loss by 1e-4, and the gradient of a ranking loss, made of small similarity differences, turns by up to
+    25 degrees (cosine 0.90-0.94 measured with CPU autocast). Stated bounds: loss within 1e-2, embeddings
+    within 5e-2 relative L2, gradient cosine >= 0.8 against fp32; and the chunking adds nothing beyond
+    rounding: within 1e-2 relative L2 of the unchunked bf16 step (2.3e-3 measured with CPU autocast)."""
     images, labels = _images(64)
-    loss_fn = FastAPLoss()
-    base = _resnet()
-    fp32 = _unchunked(base, images, labels, loss_fn)
-    bf16 = _unchunked(base, images, labels, loss_fn, torch.bfloat16)
-    model = copy.deepcopy(base)
-    global_batch_step(
-        model, images, labels, loss_fn, 16, preprocess=normalize_images, autocast_dtype=torch.bfloat16
-    )
-    assert _relative_error(grads_of(model), fp32) <= 5e-2
-    assert _relative_error(grads_of(model), bf16) <= 2e-2
+    x = normalize_images(images.to(CUDA))
+    for loss_fn in (FastAPLoss(), SmoothAPLoss(temperature=0.05)):
+        base = _resnet()
+        fp32 = _unchunked(base, images, labels, loss_fn)
+        bf16 = _unchunked(base, images, labels, loss_fn, torch.bfloat16)
+        model = copy.deepcopy(base)
+        result = global_batch_step(
+            model, images, labels, loss_fn, 16, preprocess=normalize_images, autocast_dtype=torch.bfloat16
+        )
+        with torch.no_grad():
+            e32 = base(x)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                e16 = base(x).float()
+            l32 = float(loss_fn(e32, labels.to(CUDA)))
+        got = grads_of(model)
+        assert abs(result.loss.item() - l32) <= 1e-2 * abs(l32)
+        assert float((e16 - e32).norm() / e32.norm()) <= 5e-2
+        assert _cosine(got, fp32) >= 0.8
+        assert _relative_error(got, bf16) <= 1e-2
 
 
 def test_compiled_channels_last_gradients_match_eager_nchw(no_tf32: None) -> None:
