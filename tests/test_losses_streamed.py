@@ -170,6 +170,7 @@ def test_cpu_budgets_are_unchanged_and_explicit_values_win():
     # streaming on CPU only where the saved Jacobian could not be held at all
     assert abs(saved - host_available_bytes()) < 2**30
     assert memory_budgets(torch.device("cpu"), 3.0, 5.0) == (3 * 2**20, 5 * 2**20)
+    assert memory_budgets(torch.device("cpu"), None, float("inf"))[1] >= 2**62  # never stream
     big = FastAPLoss()
     assert not big.streams(8192, 8192, torch.device("cpu"), torch.float32)  # 256 MiB Jacobian: kept
     assert big.streams(10**6, 10**6, torch.device("cpu"), torch.float32)  # 4 TB: streamed
@@ -184,7 +185,7 @@ def test_tiling_stays_within_the_budget_and_covers_everything():
     assert tiling(100, 200, 48 * 100 * 200) == (100, 200)
 
 
-@pytest.mark.parametrize("value", [0, -1.0, float("nan"), "64"])
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), "64", True])
 def test_bad_budgets_are_rejected(value):
     with pytest.raises(ValueError, match="saved_budget_mb must be positive"):
         FastAPLoss(saved_budget_mb=value)

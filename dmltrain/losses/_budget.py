@@ -24,6 +24,11 @@ CUDA_BLOCK_CAP_MB = 2048.0
 CUDA_SAVED_SHARE = 0.5
 
 _MB = 2**20
+_NO_LIMIT = 2**62  # bytes: what float("inf") megabytes mean
+
+
+def _bytes(megabytes: float) -> int:
+    return int(min(megabytes * _MB, _NO_LIMIT))
 
 
 def cuda_available_bytes(device: torch.device) -> int:
@@ -45,7 +50,7 @@ def host_available_bytes() -> int:
     try:
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
-        return 2**62
+        return _NO_LIMIT
 
 
 def memory_budgets(
@@ -61,16 +66,16 @@ def memory_budgets(
     if device.type == "cuda":
         available = cuda_available_bytes(device)
         block = (
-            int(memory_budget_mb * _MB)
+            _bytes(memory_budget_mb)
             if memory_budget_mb is not None
             else int(min(max(available * CUDA_BLOCK_SHARE, CUDA_BLOCK_MIN_MB * _MB), CUDA_BLOCK_CAP_MB * _MB))
         )
         saved = (
-            int(saved_budget_mb * _MB)
+            _bytes(saved_budget_mb)
             if saved_budget_mb is not None
             else int(max(available - block, 0) * CUDA_SAVED_SHARE)
         )
         return block, saved
-    block = int((DEFAULT_MEMORY_BUDGET_MB if memory_budget_mb is None else memory_budget_mb) * _MB)
-    saved = int(saved_budget_mb * _MB) if saved_budget_mb is not None else host_available_bytes()
+    block = _bytes(DEFAULT_MEMORY_BUDGET_MB if memory_budget_mb is None else memory_budget_mb)
+    saved = _bytes(saved_budget_mb) if saved_budget_mb is not None else host_available_bytes()
     return block, saved

@@ -65,7 +65,8 @@ class RankingLoss(nn.Module, ABC):
     ) -> None:
         super().__init__()
         for name, value in (("memory_budget_mb", memory_budget_mb), ("saved_budget_mb", saved_budget_mb)):
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if value is not None and not (number and value > 0):
                 raise ValueError(f"{name} must be positive or None (device default), got {value!r}")
         self.memory_budget_mb = None if memory_budget_mb is None else float(memory_budget_mb)
         self.saved_budget_mb = None if saved_budget_mb is None else float(saved_budget_mb)
