@@ -400,10 +400,15 @@ def _write_class_images(args: tuple[str, int, list[tuple[str, int, int]]]) -> No
             Image.fromarray(pixels).save(folder / f"{i}.jpg", quality=90)
 
 
+def _worker_cpus() -> int:
+    """CPUs of the service's one Ray worker (Ray sets its torch threads to this)."""
+    return max(1, min(8, (os.cpu_count() or 2) - 2))
+
+
 def _service_config(plan: dict, shards: Path, work: Path, use_gpu: bool) -> Path:
     import yaml
 
-    cpus = max(1, min(8, (os.cpu_count() or 2) - 2))
+    cpus = _worker_cpus()
     config = {
         "data": {
             "root": str(shards),
@@ -686,8 +691,8 @@ def main(argv: list[str] | None = None) -> int:
         f"# bench/gpu.py on {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
         f"{' (quick)' if args.quick else ''}; parts: {' '.join(args.parts)}; best of {rounds} after a warm-up"
     )
-    if not cuda:
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if not cuda:  # as many threads as the service's CPU worker gets, so the two are comparable
+        torch.set_num_threads(_worker_cpus())
     rows: list[Row] = []
     if "losses" in args.parts:
         rows += bench_losses(plan, device, rounds, use_pml=not args.no_pml)
