@@ -54,8 +54,8 @@ FULL = {
     "bare_sizes": [256, 1024],
     "chunk": 256,
     "steps": 3,
-    "service_classes": 12000,  # B/K distinct classes per consumer must exist (issue 14, part 1)
-    "service_per_class": 6,
+    "service_classes": 4000,  # thousands of classes; a batch of 4,096 at K=4 takes 1,024 of them
+    "service_per_class": 8,
     "service_test_classes": 100,
     "service_side": 256,
     "service_batch": 4096,
