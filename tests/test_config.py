@@ -130,3 +130,47 @@ def test_launch_resolves_only_relative_local_paths(
     base = str(tmp_path.resolve())
     assert resolved.data.root == expected_root.format(base=base)
     assert resolved.run.storage_path == expected_storage.format(base=base)
+
+
+@pytest.mark.parametrize(
+    ("name", "paper", "batch", "classes"),
+    [("sop_smoothap_b16k", "sop_smoothap", 16384, 11318), ("inat_smoothap_b8k", "inat_smoothap", 8192, 5690)],
+)
+def test_large_batch_configs_keep_the_method_and_state_their_memory(
+    name: str, paper: str, batch: int, classes: int
+) -> None:
+    """Only the batch (and what follows from it) differs from the paper config; the file says its memory."""
+    path = CONFIGS[0].parent / f"{name}.yaml"
+    big, base = load_config(path), load_config(path.parent / f"{paper}.yaml")
+    assert big.train.global_batch_size == batch and big.train.chunk_size == 256
+    assert big.local_batch_size == batch // 8 and big.local_batch_size % big.train.chunk_size == 0
+    assert batch // big.sampler.samples_per_class <= classes  # classes per step the data set has
+    # the same number of images seen as the paper config
+    assert big.train.steps * batch == base.train.steps * base.train.global_batch_size
+    for section in ("model", "loss", "optim", "sampler"):
+        assert getattr(big, section) == getattr(base, section), section
+    assert (big.train.precision, big.train.compile, big.train.channels_last) == ("auto", "auto", "auto")
+    header = path.read_text().split("\ndata:")[0]
+    assert "Memory per GPU" in header and "10.7 GB" in header and "total: about" in header
+
+
+def test_precision_compile_and_memory_keys_validate(tmp_path: Path) -> None:
+    path = _write(tmp_path, lambda raw: None)
+    config = load_config(
+        path,
+        [
+            "train.precision=fp16",
+            "train.compile=false",
+            "train.channels_last=true",
+            "loss.saved_budget_mb=512",
+        ],
+    )
+    assert (config.train.precision, config.train.compile, config.train.channels_last) == ("fp16", False, True)
+    assert config.loss.saved_budget_mb == 512 and config.loss.memory_budget_mb is None
+    for bad, key in (
+        ("train.precision=fp8", "train.precision"),
+        ("train.compile=sometimes", "train.compile"),
+        ("loss.memory_budget_mb=0", "loss.memory_budget_mb"),
+    ):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(path, [bad])

@@ -6,6 +6,7 @@ loop runs in-process against real glyph shards and a real MLflow sqlite store, s
 
 from __future__ import annotations
 
+import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,3 +121,62 @@ def test_nan_steps_are_skipped_then_fail_clearly(glyphs_root: Path, tmp_path: Pa
         torch.testing.assert_close(loop.net.state_dict()[key], value, msg=key, equal_nan=True)
     skipped = MlflowClient(uri).get_metric_history(run_id, "train/skipped_steps")
     assert [m.value for m in skipped] == [1.0, 2.0]
+
+
+def test_fp16_loop_scales_gradients_and_checkpoints_the_scaler(glyphs_root: Path, tmp_path: Path) -> None:
+    """fp16 autocast with a GradScaler (CPU autocast supports fp16, so the GPU-only path runs here)."""
+    config, run_id, uri = _setup(
+        tmp_path,
+        glyphs_root,
+        "train.steps=1",
+        "train.eval_every=100",
+        "train.precision=fp16",
+    )
+    context = LocalContext(tmp_path)
+    loop = WorkerLoop(config, run_id, uri, context)
+    assert loop.scaler is not None and loop.autocast == torch.float16
+    loop.run()
+    client = MlflowClient(uri)
+    losses = [m.value for m in client.get_metric_history(run_id, "train/loss")]
+    assert len(losses) == 1 and all(math.isfinite(v) for v in losses)
+    scales = [m.value for m in client.get_metric_history(run_id, "train/grad_scale")]
+    assert scales and scales[-1] == loop.scaler.get_scale()
+    tags = client.get_run(run_id).data.tags
+    assert tags["dmltrain.precision"] == "fp16" and tags["dmltrain.device"].startswith("cpu")
+    resumed = WorkerLoop(
+        config, run_id, uri, LocalContext(tmp_path, restore_from=tmp_path / "checkpoint_0001")
+    )
+    assert resumed.scaler is not None and resumed.scaler.state_dict() == loop.scaler.state_dict()
+    assert resumed.scaler.state_dict() != torch.amp.GradScaler("cpu").state_dict()  # not a fresh scaler
+
+
+def test_compiled_channels_last_loop_computes_the_eager_step(
+    glyphs_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.compile / train.channels_last forced on CPU: the first step's loss and gradient norm (before
+    any update) equal the eager NCHW loop's. aot_eager instead of inductor keeps resnet18 quick to trace;
+    inductor itself is compared with eager in test_acceleration.py."""
+    import functools
+
+    from dmltrain.acceleration import compile_network
+    from dmltrain.service import train as train_module
+
+    monkeypatch.setattr(
+        train_module, "compile_network", functools.partial(compile_network, backend="aot_eager")
+    )
+    first: dict[str, tuple[float, float]] = {}
+    for name, flags in (("eager", ()), ("fast", ("train.compile=true", "train.channels_last=true"))):
+        directory = tmp_path / name
+        directory.mkdir()
+        config, run_id, uri = _setup(directory, glyphs_root, "train.steps=1", "train.eval_every=100", *flags)
+        loop = WorkerLoop(config, run_id, uri, LocalContext(directory))
+        loop.run()
+        client = MlflowClient(uri)
+        loss = client.get_metric_history(run_id, "train/loss")[0].value
+        norm = client.get_metric_history(run_id, "train/grad_norm")[0].value
+        first[name] = (loss, norm)
+        tags = client.get_run(run_id).data.tags
+        expected = ("true", "works") if flags else ("false", "eager")
+        assert (tags["dmltrain.channels_last"], tags["dmltrain.compile"]) == expected
+    assert first["fast"][0] == pytest.approx(first["eager"][0], rel=1e-5)
+    assert first["fast"][1] == pytest.approx(first["eager"][1], rel=1e-4)

@@ -19,9 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from dmltrain.acceleration import (
+    compile_network,
+    compile_state,
+    resolve_channels_last,
+    resolve_compile,
+    resolve_precision,
+)
 from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
 from dmltrain.distributed import all_gather_objects, broadcast_object
-from dmltrain.engine import default_autocast_dtype, global_batch_step
+from dmltrain.engine import global_batch_step
 from dmltrain.models import EmbeddingNet, build_model, normalize_images
 from dmltrain.service.best import SCORE_KEY, BestTracker, resolve_best_metric, worst_score
 from dmltrain.service.builders import build_loss, build_optimizer, build_scheduler, build_tn_schedule
@@ -35,6 +42,7 @@ from dmltrain.service.checkpoints import (
 from dmltrain.service.config import ExperimentConfig
 from dmltrain.service.distributed_eval import evaluate
 from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
+from dmltrain.service.prefetch import BatchPrefetcher
 from dmltrain.service.tracking import CHECKPOINT_STEP_TAG, RunLogger
 
 log = logging.getLogger("dmltrain.service.train")
@@ -98,14 +106,20 @@ class _Counters:
 
     skipped_steps: int = 0
     empty_batches: int = 0
+    overflow_steps: int = 0  # fp16: updates the gradient scaler skipped (scaled gradients overflowed)
     consecutive_skips: int = 0
 
     def state_dict(self) -> dict[str, float]:
-        return {"skipped_steps": self.skipped_steps, "empty_batches": self.empty_batches}
+        return {
+            "skipped_steps": self.skipped_steps,
+            "empty_batches": self.empty_batches,
+            "overflow_steps": self.overflow_steps,
+        }
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.empty_batches = int(state.get("empty_batches", 0))
+        self.overflow_steps = int(state.get("overflow_steps", 0))
 
 
 def _unwrap(model: nn.Module) -> EmbeddingNet:
@@ -135,6 +149,12 @@ class WorkerLoop:
             torch.set_num_threads(config.scaling.torch_threads)
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
         model = build_model(config.model.backbone, config.model.embedding_dim, config.model.weights)
+        self.precision = resolve_precision(config.train.precision, self.device)
+        self.channels_last = resolve_channels_last(config.train.channels_last, self.device, model)
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if resolve_compile(config.train.compile, self.device):
+            compile_network(model)  # in place, before DDP wraps it (see dmltrain.acceleration)
         self.model = ray_ctx.prepare_model(model)
         self.net = _unwrap(self.model)
         self.params = [p for p in self.net.parameters() if p.requires_grad]
@@ -155,11 +175,10 @@ class WorkerLoop:
             crop_scale=config.data.crop_scale,
             info=self.info,
         )
-        self.autocast = (
-            default_autocast_dtype(self.device)
-            if config.train.precision == "auto"
-            else (torch.bfloat16 if config.train.precision == "bf16" else None)
-        )
+        # On CUDA the next batch is read and pinned while the step runs (asynchronous chunk copies).
+        self.batches = BatchPrefetcher(self.stream, pin=True) if self.device.type == "cuda" else None
+        self.autocast = self.precision.autocast_dtype
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.grad_scaling else None
         self.counters = _Counters()
         best_metric = resolve_best_metric(
             config.train.best_metric, [e.name for e in self.info.evaluations], config.eval.ks
@@ -196,6 +215,8 @@ class WorkerLoop:
             self.tn_schedule.load_state_dict(state.extra["tn_schedule"])
         if self.best is not None:
             self.best.load_state_dict(state.extra.get("best"))
+        if self.scaler is not None and state.extra.get("grad_scaler"):
+            self.scaler.load_state_dict(state.extra["grad_scaler"])
         try:
             if stream_state is None:
                 raise ValueError(f"the checkpoint has no stream state for rank {self.rank}")
@@ -211,7 +232,7 @@ class WorkerLoop:
         The report carries ``checkpoint_score`` (the best metric if this step was evaluated, else the worst
         value) for Ray's best-checkpoint bookkeeping. With asynchronous upload Ray copies the directory to
         storage in the background and then deletes it, so MLflow's optional copy is taken first."""
-        streams = all_gather_objects(self.stream.state_dict())
+        streams = all_gather_objects(self._stream_state())
         upload = self.config.run.checkpoint_upload
         report = {"step": self.step, **metrics}
         if self.best is not None:
@@ -235,6 +256,7 @@ class WorkerLoop:
                     extra={
                         "tn_schedule": self.tn_schedule.state_dict() if self.tn_schedule else None,
                         "best": self.best.state_dict() if self.best else None,
+                        "grad_scaler": self.scaler.state_dict() if self.scaler else None,
                     },
                 ),
             )
@@ -284,10 +306,15 @@ class WorkerLoop:
         )
 
     # ------------------------------------------------------------------ training
+    def _stream_state(self) -> dict[str, Any]:
+        """Where the data stream stands after the last step's batch (not after a prefetched one)."""
+        return self.batches.state_dict() if self.batches is not None else self.stream.state_dict()
+
     def _train_step(self) -> _StepStats:
         cfg = self.config
         t0 = time.perf_counter()
-        images, labels, _categories = self.stream.next_batch()
+        source = self.batches if self.batches is not None else self.stream
+        images, labels, _categories = source.next_batch()
         data_seconds = time.perf_counter() - t0
         self.model.train()  # the engine keeps BatchNorm frozen during the step when model.freeze_bn is set
         self.optimizer.zero_grad(set_to_none=True)
@@ -304,12 +331,27 @@ class WorkerLoop:
             freeze_bn=cfg.model.freeze_bn,
             autocast_dtype=self.autocast,
             skip_nonfinite=True,
+            channels_last=self.channels_last,
+            grad_scaler=self.scaler,
         )
         loss = float(result.loss)
+        if self.scaler is not None and math.isfinite(loss):
+            self.scaler.unscale_(self.optimizer)  # true gradients for the norm, clipping and the update
         norm = _grad_norm(self.params, cfg.optim.grad_clip)
         if math.isfinite(loss) and math.isfinite(norm):
-            self.optimizer.step()
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
             self.counters.consecutive_skips = 0
+        elif self.scaler is not None and math.isfinite(loss):
+            # fp16: the scaled gradients overflowed. Not a diverging run: the scaler skips this update
+            # and lowers its scale (identical on every rank, the gradients are synced).
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.counters.overflow_steps += 1
         else:
             # Identical decision on every rank: the loss and the synced gradients are global.
             self.optimizer.zero_grad(set_to_none=True)
@@ -349,12 +391,37 @@ class WorkerLoop:
         )
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            if self.batches is not None:
+                self.batches.close()
+
+    def _describe_device(self) -> None:
+        """Rank 0 tags the MLflow run with what actually ran (after the first step: compile is lazy)."""
+        if self.logger is None:
+            return
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        tags = {
+            "dmltrain.device": f"{self.device} ({name})",
+            "dmltrain.precision": self.precision.name,
+            "dmltrain.channels_last": str(self.channels_last).lower(),
+            "dmltrain.compile": compile_state(self.net),
+        }
+        for key, value in tags.items():
+            self.logger.set_tag(key, value)
+
+    def _run(self) -> None:
         cfg = self.config.train
+        described = False
         if self.step == 0 and cfg.eval_at_start:
             self._log(self._evaluate())
         window = _Window()
         while self.step < cfg.steps:
             stats = self._train_step()
+            if not described:
+                self._describe_device()
+                described = True
             if math.isfinite(stats.loss):
                 window.add(stats)
             last = self.step == cfg.steps
@@ -368,6 +435,11 @@ class WorkerLoop:
                         "train/empty_batches": self.counters.empty_batches,
                     }
                 )
+                if self.device.type == "cuda":  # GB = 1e9 bytes, peak allocated since the run started
+                    metrics["train/gpu_peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+                if self.scaler is not None:
+                    metrics["train/grad_scale"] = float(self.scaler.get_scale())
+                    metrics["train/overflow_steps"] = self.counters.overflow_steps
                 if self.tn_schedule is not None:
                     metrics["train/rll_tn"] = float(self.loss_fn.tn)
                 self._log(metrics)
