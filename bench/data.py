@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import statistics
 import tarfile
@@ -358,7 +359,8 @@ def device_table(args: argparse.Namespace, paths: list[Path], raw_workers_rate: 
             f", {gpu / raw_workers_rate:.1f}x the raw CPU decode + augment in {args.workers} workers above"
         )
     print(
-        line + f"; fed by loader workers at {worker:.0f} images/s each ({gpu / worker:.1f} workers keep up)"
+        line + f"; a loader worker's share runs at {worker:.0f} images/s a process (plus tar reading and "
+        f"sampling), so {math.ceil(gpu / worker)} loader worker(s) keep up"
     )
     if decoder.fallbacks:
         print(f"({decoder.fallbacks} images fell back to PIL in the training process)")
