@@ -30,6 +30,7 @@ from dmltrain.data.metadata import Evaluation
 from dmltrain.data.prepare import prepare_dataset
 from dmltrain.data.shards import ShardEntry, read_shard, write_shard
 from dmltrain.service.config import ConfigError, load_config
+from dmltrain.service.prefetch import _pinned
 from dmltrain.service.train import _decode_mode
 
 REPO = Path(__file__).parents[1]
@@ -290,3 +291,10 @@ def test_decode_settings_resolve_or_fail_in_one_line(jpegs: Path, tmp_path: Path
     with pytest.raises(ValueError, match="data.decode=gpu but this worker's device is cpu"):
         _decode_mode("gpu", CPU)
     assert _decode_mode("auto", CPU) == "auto"
+
+
+def test_the_prefetcher_leaves_a_batch_already_on_a_device_alone() -> None:
+    """The service's pinned prefetch (used when the loader does not already decode a step ahead on the
+    GPU) must not try to pin a device tensor: only host tensors are pinned."""
+    on_device = torch.empty(2, device="meta")
+    assert _pinned(on_device) is on_device and _pinned(["key"]) == ["key"]
