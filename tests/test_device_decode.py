@@ -153,6 +153,17 @@ def test_train_augment_draws_what_torchvision_draws() -> None:
                 assert torch.equal(augment.apply(image, params), expected)
                 torch.manual_seed(seed)
                 assert torch.equal(augment(image), expected)
+    # Warp mode (FastAP 5.1, Smooth-AP 5.3, RLL 4.1.2): the crop is drawn on the warped square.
+    reference = v2.Compose([v2.Resize((32, 32), antialias=True), *pipeline, v2.RandomHorizontalFlip()])
+    augment = train_transform(24, scale=(0.16, 1.0), resize_mode="warp", resize=32)
+    image = torch.randint(0, 256, (3, 50, 80), dtype=torch.uint8)
+    for seed in range(20):
+        torch.manual_seed(seed)
+        expected = reference(image)
+        torch.manual_seed(seed)
+        params = augment.draw(50, 80)
+        assert params.top + params.height <= 32 and params.left + params.width <= 32
+        assert torch.equal(augment.apply(image, params), expected)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -165,6 +176,26 @@ def test_the_device_path_on_cpu_matches_the_pil_path(jpegs: Path, workers: int) 
     cpu, device = batches(jpegs, "cpu", 3, workers), batches(jpegs, "gpu", 3, workers)
     assert_close_batches(cpu, device, max_diff=2, mean_diff=0.1)
     assert device[0][0].device == CPU
+
+
+def test_warp_mode_draws_and_applies_the_same_on_the_device_path(jpegs: Path) -> None:
+    warp = train_transform(32, resize_mode="warp", resize=40)
+    out = {}
+    for decode in ("cpu", "gpu"):
+        source = TrainLoader(
+            jpegs,
+            16,
+            SamplerSpec(seed=3),
+            rank=0,
+            world_size=1,
+            num_workers=0,
+            transform=warp,
+            decode=decode,  # type: ignore[arg-type]
+            device=CPU if decode == "gpu" else None,
+            with_keys=True,
+        )
+        out[decode] = [source.next_batch() for _ in range(2)]
+    assert_close_batches(out["cpu"], out["gpu"], max_diff=2, mean_diff=0.1)
 
 
 def test_every_kind_of_file_is_routed_per_image_and_matches_the_pil_path(mixed: Path) -> None:
