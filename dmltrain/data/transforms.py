@@ -86,7 +86,9 @@ class TrainAugment:
         if self.warp is not None:
             height = width = self.warp
         shape_only = torch.empty(1, dtype=torch.uint8).expand(1, height, width)  # no pixels allocated
-        box = self._crop.make_params([shape_only])
+        # make_params is public from torchvision 0.21 on; older versions call it _get_params.
+        make_params = getattr(self._crop, "make_params", None) or self._crop._get_params
+        box = make_params([shape_only])
         flip = self.flip and bool(torch.rand(1) < 0.5)  # RandomHorizontalFlip(p=0.5)'s coin
         return CropFlip(box["top"], box["left"], box["height"], box["width"], flip)
 
