@@ -4,6 +4,7 @@
     python bench/gpu.py --parts losses engine        # a subset (each part fits in one 10-minute call)
     python bench/gpu.py --parts service --workdir /tmp/bench-gpu   # the generated JPEG set is kept there
     python bench/gpu.py --quick                      # tiny sizes; also runs on CPU: a smoke run of the paths
+    python bench/gpu.py --parts service --service-decode gpu cpu   # the service with each data.decode
 
 Parts:
 - losses: forward+backward at B = 4,096-65,536 (D=512, 4 per class) of dmltrain's losses with the device's
@@ -16,7 +17,8 @@ Parts:
 - service: generates a JPEG set (thousands of classes, 256 px), prepares WebDataset shards, runs
   `python -m dmltrain.run` on one GPU worker with a generated config, and reads images/s, data wait share
   and peak GPU memory back from MLflow; against the engine (same settings, plus the Adam step the service
-  also takes) on the same images decoded once into memory.
+  also takes) on the same images decoded once into memory. One run per --service-decode value (data.decode;
+  default auto, which decodes on the GPU where torchvision can); the goals judge the first.
 Ratios compare cases of the same run. GB = 10^9 bytes.
 """
 
@@ -405,7 +407,7 @@ def _worker_cpus() -> int:
     return max(1, min(8, (os.cpu_count() or 2) - 2))
 
 
-def _service_config(plan: dict, shards: Path, work: Path, use_gpu: bool) -> Path:
+def _service_config(plan: dict, shards: Path, work: Path, use_gpu: bool, decode: str = "auto") -> Path:
     import yaml
 
     cpus = _worker_cpus()
@@ -415,6 +417,7 @@ def _service_config(plan: dict, shards: Path, work: Path, use_gpu: bool) -> Path
             "image_size": plan["engine_size"],
             "resize": plan["service_side"],
             "loader_workers": plan["loader_workers"],
+            "decode": decode,
         },
         "sampler": {"name": "pk", "samples_per_class": 4},
         "model": {"backbone": plan["engine_model"], "embedding_dim": 512, "weights": None, "freeze_bn": True},
@@ -477,7 +480,12 @@ def _decode_for_engine(root: Path, batch: int, side: int, crop: int) -> tuple[to
 
 
 def bench_service(
-    plan: dict, device: torch.device, rounds: int, workdir: Path, backend: str | None
+    plan: dict,
+    device: torch.device,
+    rounds: int,
+    workdir: Path,
+    backend: str | None,
+    decodes: tuple[str, ...] = ("auto",),
 ) -> list[Row]:
     from dmltrain.acceleration import resolve_precision
     from dmltrain.data import prepare
@@ -527,7 +535,22 @@ def bench_service(
             note,
         )
     ]
-    config = _service_config(plan, shards, workdir, use_gpu=device.type == "cuda")
+    for decode in decodes:
+        rows.append(_service_run(plan, shards, workdir, device, decode, batch, engine_rate))
+    return rows
+
+
+def _service_run(
+    plan: dict,
+    shards: Path,
+    workdir: Path,
+    device: torch.device,
+    decode: str,
+    batch: int,
+    engine_rate: float | None,
+) -> Row:
+    """One `python -m dmltrain.run` with data.decode=`decode`; its row (or the failure's last lines)."""
+    config = _service_config(plan, shards, workdir, use_gpu=device.type == "cuda", decode=decode)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started = time.perf_counter()
@@ -543,30 +566,29 @@ def bench_service(
     found = re.search(r"MLflow run (\w+) in (\S+?);", proc.stdout)
     if proc.returncode != 0 or not found:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
-        rows.append(Row("service", "dmltrain.run", batch, note="failed: " + " | ".join(tail)[-600:]))
-        return rows
+        return Row(
+            "service", f"dmltrain.run, data.decode={decode}", batch, note="failed: " + " | ".join(tail)[-600:]
+        )
     metrics = _service_metrics(found.group(2), found.group(1))
     rate = metrics.get("train/images_per_second")
     peak = metrics.get("train/gpu_peak_memory_gb")
     tags = metrics["tags"]
-    rows.append(
-        Row(
-            "service",
-            f"dmltrain.run, 1 {'GPU' if device.type == 'cuda' else 'CPU'} worker, "
-            f"{plan['loader_workers']} loader workers ({tags.get('dmltrain.precision')}, "
-            f"channels_last {tags.get('dmltrain.channels_last')}, compile {tags.get('dmltrain.compile')})",
-            batch,
-            batch / rate if rate else None,
-            rate,
-            peak * GB if peak is not None else None,
-            rate / engine_rate if rate and engine_rate else None,
-            "engine in memory (img/s)",
-            f"data wait {metrics.get('train/data_wait_share', float('nan')):.1%}, last of "
-            f"{metrics['windows']} windows of {plan['service_log_every']} steps; run {wall:.0f} s",
-            metrics.get("train/data_wait_share"),
-        )
+    return Row(
+        "service",
+        f"dmltrain.run, 1 {'GPU' if device.type == 'cuda' else 'CPU'} worker, "
+        f"{plan['loader_workers']} loader workers ({tags.get('dmltrain.precision')}, "
+        f"channels_last {tags.get('dmltrain.channels_last')}, compile {tags.get('dmltrain.compile')}, "
+        f"data.decode={decode}: {tags.get('dmltrain.data_decode')})",
+        batch,
+        batch / rate if rate else None,
+        rate,
+        peak * GB if peak is not None else None,
+        rate / engine_rate if rate and engine_rate else None,
+        "engine in memory (img/s)",
+        f"data wait {metrics.get('train/data_wait_share', float('nan')):.1%}, last of "
+        f"{metrics['windows']} windows of {plan['service_log_every']} steps; run {wall:.0f} s",
+        metrics.get("train/data_wait_share"),
     )
-    return rows
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -664,6 +686,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss-dim", type=int, help="embedding dimension of the loss cases")
     parser.add_argument("--engine-sizes", type=int, nargs="+", help="override the engine batch sizes")
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    parser.add_argument(
+        "--service-decode",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "cpu", "gpu"],
+        help="data.decode of the service runs, one run each (default: auto)",
+    )
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -703,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     if "service" in args.parts:
         work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-gpu-"))
         work.mkdir(parents=True, exist_ok=True)
-        rows += bench_service(plan, device, rounds, work, backend)
+        rows += bench_service(plan, device, rounds, work, backend, tuple(args.service_decode))
     print()
     print_table(rows)
     if args.quick:

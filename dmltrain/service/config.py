@@ -36,6 +36,12 @@ class DataConfig(_Section):
     resize: int | None = Field(default=None, ge=8, description="Test-time resize before the centre crop.")
     crop_scale: tuple[float, float] = Field(default=(0.16, 1.0), description="RandomResizedCrop scale range.")
     loader_workers: int = Field(default=2, ge=0, description="DataLoader processes per Ray worker.")
+    decode: Literal["auto", "cpu", "gpu"] = Field(
+        default="auto",
+        description="Where training images are decoded and augmented: cpu = PIL in the loader workers; gpu = "
+        "JPEGs in batches on the worker's GPU (nvJPEG), the loader workers only sample, read and draw the "
+        "crops; auto = gpu on CUDA workers where torchvision decodes JPEGs, else cpu.",
+    )
 
     @model_validator(mode="after")
     def _check_scale(self) -> DataConfig:
@@ -269,6 +275,11 @@ class ExperimentConfig(_Section):
             )
         if self.train.global_batch_size // workers < self.sampler.samples_per_class:
             raise ValueError("each worker's batch must hold at least sampler.samples_per_class images")
+        if self.data.decode == "gpu" and self.scaling.use_gpu is False:
+            raise ValueError(
+                "data.decode=gpu decodes on the training workers' GPUs, but scaling.use_gpu=false: "
+                "set data.decode=auto or cpu"
+            )
         if self.sampler.name == "hard" and self.train.global_batch_size % 2:
             raise ValueError("sampler.name=hard splits the global batch in two halves: make it even")
         local = self.train.global_batch_size // workers

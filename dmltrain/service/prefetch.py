@@ -22,6 +22,11 @@ class _BatchSource(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
 
+def _pinned(item: Any) -> Any:
+    """A host tensor in page-locked memory; anything else (a batch already on the GPU) as it is."""
+    return item.pin_memory() if isinstance(item, torch.Tensor) and item.device.type == "cpu" else item
+
+
 class _Failure:
     def __init__(self, error: BaseException) -> None:
         self.error = error
@@ -44,7 +49,7 @@ class BatchPrefetcher:
                 batch = self.source.next_batch()
                 state = self.source.state_dict()
                 if self.pin:
-                    batch = tuple(t.pin_memory() if isinstance(t, torch.Tensor) else t for t in batch)
+                    batch = tuple(_pinned(t) for t in batch)
                 while not self._stop.is_set():
                     try:
                         self._queue.put((batch, state), timeout=0.5)

@@ -255,6 +255,11 @@ def launch(config: ExperimentConfig) -> RunOutcome:
     )
     if warning:
         log.warning("!!! %s !!!", warning)
+    if config.data.decode == "gpu" and not use_gpu:
+        raise ConfigError(
+            "data.decode=gpu decodes on the training workers' GPUs, but scaling.use_gpu=auto found no GPU "
+            "in the cluster: set data.decode=auto or cpu"
+        )
     config_dump = config.model_dump(mode="json")
     if existing is None:
         run_id = create_run(

@@ -126,6 +126,14 @@ def _unwrap(model: nn.Module) -> EmbeddingNet:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model  # type: ignore[return-value]
 
 
+def _decode_mode(setting: str, device: torch.device) -> str:
+    """``data.decode`` for this worker: gpu needs a CUDA device (the library would run the same path on
+    a CPU device, which only tests want)."""
+    if setting == "gpu" and device.type != "cuda":
+        raise ValueError(f"data.decode=gpu but this worker's device is {device}: set data.decode=auto or cpu")
+    return setting
+
+
 def _grad_norm(parameters: list[nn.Parameter], clip: float | None) -> float:
     """Global gradient norm (clipping to ``clip`` if set); inf/NaN when a gradient is not finite."""
     grads = [p for p in parameters if p.grad is not None]
@@ -174,9 +182,15 @@ class WorkerLoop:
             image_size=config.data.image_size,
             crop_scale=config.data.crop_scale,
             info=self.info,
+            decode=_decode_mode(config.data.decode, self.device),
+            device=self.device,
         )
-        # On CUDA the next batch is read and pinned while the step runs (asynchronous chunk copies).
-        self.batches = BatchPrefetcher(self.stream, pin=True) if self.device.type == "cuda" else None
+        log.info("rank %d: training images decoded on %s", self.rank, self.stream.decode_device or "the CPU")
+        # On CUDA the next batch is read and pinned while the step runs (asynchronous chunk copies), unless
+        # the loader already decodes it on the device one step ahead (data.decode=gpu with loader workers).
+        ahead = self.stream.decode == "gpu" and config.data.loader_workers > 0
+        prefetch = self.device.type == "cuda" and not ahead
+        self.batches = BatchPrefetcher(self.stream, pin=True) if prefetch else None
         self.autocast = self.precision.autocast_dtype
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.grad_scaling else None
         self.counters = _Counters()
@@ -195,6 +209,9 @@ class WorkerLoop:
         )
         self.step = 0
         self.logger = RunLogger(tracking_uri, run_id) if self.rank == 0 else None
+        if self.logger is not None:  # what data.decode resolved to (auto picks per worker)
+            device = self.stream.decode_device
+            self.logger.set_tag("dmltrain.data_decode", f"gpu ({device})" if device else "cpu")
         self._restore()
 
     # ------------------------------------------------------------------ resume / checkpoint
