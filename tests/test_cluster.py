@@ -1,0 +1,239 @@
+"""The cluster path on a real multi-node deployment built on this machine (dmltrain.testbed).
+
+One bed per module: a 0-CPU head hosting MLflow (PostgreSQL, proxied artifacts) and an S3 endpoint, two
+1-CPU worker nodes, each node in its own network and mount namespace with its own disk, one shared
+directory. Every job goes in from the root namespace through `ray job submit` with token auth, as README
+documents, so rank 0 always runs on a worker node, never beside the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from dmltrain.testbed import TestBed, bed_requirements
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).parents[1]
+BUCKET = "dmltrain-bed"
+# The quickstart shrunk to seconds per step: 32 px glyphs, batch 32 over 2 workers, few evaluation images.
+SMALL = [
+    "data.prepare=null",
+    "train.global_batch_size=32",
+    "train.chunk_size=16",
+    "train.eval_at_start=false",
+    "eval.max_images=400",
+    "eval.batch_size=200",
+    "eval.grid_queries=4",
+]
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestBed]:
+    why = bed_requirements()
+    if why:
+        pytest.skip(f"CLUSTER TEST BED NOT RUN: {why}")
+    # Logs of every node, service and job driver outlive the bed (in pytest's temp directory by default).
+    logs = os.environ.get("DMLTRAIN_TESTBED_LOGS")
+    archive = Path(logs) if logs else tmp_path_factory.mktemp("testbed-logs")
+    testbed = TestBed(worker_nodes=2, cpus_per_node=1, archive=archive)
+    try:
+        testbed.start()
+        yield testbed
+    finally:
+        try:
+            testbed.stop()
+        finally:
+            left = testbed.leftovers()
+        assert not left, f"the test bed left {left} behind"
+
+
+@pytest.fixture(scope="module")
+def shared_glyphs(bed: TestBed, glyphs_root: Path) -> Path:
+    """The glyph shards on the shared volume (copied in once, as a user would put data on a PVC)."""
+    target = bed.shared / "glyphs"
+    shutil.copytree(glyphs_root, target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def s3_glyphs(bed: TestBed, glyphs_root: Path) -> str:
+    """The glyph shards in the bed's S3 bucket."""
+    import s3fs
+
+    env = bed.s3_env
+    fs = s3fs.S3FileSystem(
+        key=env["AWS_ACCESS_KEY_ID"],
+        secret=env["AWS_SECRET_ACCESS_KEY"],
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+    )
+    fs.mkdir(BUCKET)
+    fs.put(str(glyphs_root), f"{BUCKET}/glyphs", recursive=True)
+    return f"s3://{BUCKET}/glyphs"
+
+
+def _entrypoint(*overrides: str) -> list[str]:
+    return ["python", "-m", "dmltrain.run", "configs/quickstart.yaml", *overrides]
+
+
+def _submit(bed: TestBed, job_id: str, entrypoint: list[str], env_vars: dict[str, str] | None) -> None:
+    done = bed.submit(entrypoint, REPO, job_id, env_vars)
+    assert done.returncode == 0, f"ray job submit failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+
+
+def _finish(bed: TestBed, job_id: str, timeout: float, expect: str = "SUCCEEDED") -> str:
+    status = bed.wait_job(job_id, timeout)
+    logs = bed.job_logs(job_id)
+    assert status == expect, f"job {job_id}: {status}, expected {expect}\njob logs:\n{logs[-6000:]}"
+    return logs
+
+
+def worker_groups(logs: str) -> list[dict[int, str]]:
+    """Each worker group Ray Train started, as ``world_rank -> node IP`` (from the controller's log)."""
+    groups: list[dict[int, str]] = []
+    for line in logs.splitlines():
+        if "Started training worker group" in line:
+            groups.append({})
+        found = re.search(r"\(ip=([\d.]+), pid=\d+\) world_rank=(\d+)", line)
+        if found and groups:
+            groups[-1][int(found.group(2))] = found.group(1)
+    return groups
+
+
+def _run(client: MlflowClient, name: str):
+    experiment = client.get_experiment_by_name("dmltrain-quickstart")
+    if experiment is None:
+        return None
+    runs = client.search_runs([experiment.experiment_id], filter_string=f"attributes.run_name = '{name}'")
+    assert len(runs) <= 1, f"{len(runs)} MLflow runs named {name}: a relaunch must resume, not duplicate"
+    return runs[0] if runs else None
+
+
+def _steps(client: MlflowClient, run_id: str, key: str = "train/loss") -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def _artifacts(client: MlflowClient, run_id: str, path: str | None = None) -> set[str]:
+    found: set[str] = set()
+    for item in client.list_artifacts(run_id, path):
+        found |= _artifacts(client, run_id, item.path) if item.is_dir else {item.path}
+    return found
+
+
+def _wait_checkpoint(client: MlflowClient, name: str, step: int, job: str, bed: TestBed) -> str:
+    """Wait until the run's checkpoint tag reaches ``step``; returns the MLflow run id."""
+    deadline = time.monotonic() + 420
+    while time.monotonic() < deadline:
+        run = _run(client, name)
+        if run is not None and int(run.data.tags.get("dmltrain.checkpoint_step", 0)) >= step:
+            return run.info.run_id
+        status = bed.job(job)["status"]
+        assert status in ("PENDING", "RUNNING"), f"job {status} early:\n{bed.job_logs(job)[-6000:]}"
+        time.sleep(0.5)
+    raise AssertionError(f"no checkpoint at step {step} in time:\n{bed.job_logs(job)[-6000:]}")
+
+
+def test_quickstart_over_two_worker_nodes(bed: TestBed, shared_glyphs: Path) -> None:
+    """(a) Rank 0 on a worker node logs everything through the MLflow server; checkpoints on shared disk."""
+    started = time.monotonic()
+    storage = bed.shared / "ray_results"
+    _submit(
+        bed,
+        "scenario-a",
+        _entrypoint(
+            *SMALL,
+            f"data.root={shared_glyphs}",
+            f"run.storage_path={storage}",
+            "run.name=scenario-a",
+            "train.steps=6",
+            "train.log_every=2",
+            "train.checkpoint_every=3",
+            "train.eval_every=6",
+        ),
+        {"MLFLOW_TRACKING_URI": bed.mlflow_url},
+    )
+    logs = _finish(bed, "scenario-a", 480)
+    groups = worker_groups(logs)
+    workers = {n.address for n in bed.nodes.values() if n.name != "head"}
+    assert len(groups) == 1 and set(groups[0]) == {0, 1}, logs[-4000:]
+    assert groups[0][0] in workers and groups[0][0] != bed.head.address  # rank 0 away from the driver
+    assert set(groups[0].values()) == workers  # one worker per worker node
+
+    client = MlflowClient(bed.mlflow_url)
+    run = _run(client, "scenario-a")
+    assert run is not None and run.info.status == "FINISHED"
+    assert run.data.params["loss.name"] == "smoothap" and run.data.params["train.steps"] == "6"
+    assert run.data.params["data.root"] == str(shared_glyphs)
+    assert _steps(client, run.info.run_id) == [2, 4, 6]
+    assert _steps(client, run.info.run_id, "eval/test/recall_at_1") == [6]
+    files = _artifacts(client, run.info.run_id)
+    expected = {
+        "config.yaml",
+        "model/model.pt",
+        "plots/training_curves.png",
+        "plots/recall_at_k/step_0000006.png",
+        "plots/retrievals/step_0000006.png",
+        "checkpoints/latest/state.pt",
+        "checkpoints/latest/stream_rank0000.pt",
+        "checkpoints/latest/stream_rank0001.pt",
+    }
+    assert expected <= files, expected - files
+    # Uploaded through the server: the files sit on the head's disk, which no worker node can see.
+    stored = bed.base / "nodes" / "head" / "mlartifacts"
+    assert list(stored.glob(f"*/{run.info.run_id}/artifacts/model/model.pt")), sorted(stored.rglob("*"))[:20]
+    # Ray's checkpoints on the shared volume, each complete.
+    checkpoints = sorted((storage / "scenario-a").glob("checkpoint_2*"))
+    assert len(checkpoints) == 2, checkpoints
+    assert all((c / "state.pt").is_file() and (c / "stream_rank0001.pt").is_file() for c in checkpoints)
+    print(f"scenario a: {time.monotonic() - started:.0f} s")
+
+
+def test_node_loss_resumes_from_the_last_checkpoint(bed: TestBed, s3_glyphs: str) -> None:
+    """(b) The node running rank 0 dies mid-run; a new node joins; every step is logged exactly once."""
+    started = time.monotonic()
+    steps = 20
+    _submit(
+        bed,
+        "scenario-b",
+        _entrypoint(
+            *SMALL,
+            f"data.root={s3_glyphs}",
+            f"run.storage_path=s3://{BUCKET}/ray_results",
+            "run.name=scenario-b",
+            "model.backbone=mobilenet_v3_small",  # 20 MB checkpoints instead of resnet18's 135 MB
+            f"train.steps={steps}",
+            "train.log_every=1",
+            "train.checkpoint_every=5",
+            f"train.eval_every={steps}",
+        ),
+        {"MLFLOW_TRACKING_URI": bed.mlflow_url, **bed.s3_env},
+    )
+    client = MlflowClient(bed.mlflow_url)
+    run_id = _wait_checkpoint(client, "scenario-b", 5, "scenario-b", bed)
+    first = worker_groups(bed.job_logs("scenario-b"))[0]
+    victim = next(n for n in bed.nodes.values() if n.address == first[0])
+    bed.kill_node(victim.name)
+    assert not [x for x in bed.leftovers() if victim.namespace in x or victim.name in x]
+    replacement = bed.add_worker()
+    killed_at = time.monotonic()
+
+    logs = _finish(bed, "scenario-b", 540)
+    groups = worker_groups(logs)
+    assert len(groups) >= 2, logs[-4000:]
+    assert victim.address not in groups[-1].values() and replacement.address in groups[-1].values()
+    resumed = [int(s) for s in re.findall(r"rank \d+ resumed at step (\d+)", logs)]
+    assert resumed and resumed[-1] >= 5 and resumed[-1] % 5 == 0, resumed
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert _steps(client, run_id) == list(range(1, steps + 1))  # every step exactly once
+    assert run.data.tags["dmltrain.checkpoint_step"] == str(steps)
+    after_kill = time.monotonic() - killed_at
+    print(f"scenario b: {time.monotonic() - started:.0f} s, {after_kill:.0f} s after kill; resumed {resumed}")
