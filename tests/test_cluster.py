@@ -8,9 +8,11 @@ documents, so rank 0 always runs on a worker node, never beside the driver.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,17 +130,39 @@ def _artifacts(client: MlflowClient, run_id: str, path: str | None = None) -> se
     return found
 
 
-def _wait_checkpoint(client: MlflowClient, name: str, step: int, job: str, bed: TestBed) -> str:
-    """Wait until the run's checkpoint tag reaches ``step``; returns the MLflow run id."""
+def _wait_checkpoint(client: MlflowClient, name: str, step: int, job: str, bed: TestBed) -> tuple[str, int]:
+    """Wait until rank 0 has recorded a stored checkpoint at ``step`` or later (MLflow tag, set as soon as
+    Ray's report returns, possibly before Ray's controller registers it); returns (run id, step)."""
     deadline = time.monotonic() + 420
     while time.monotonic() < deadline:
         run = _run(client, name)
-        if run is not None and int(run.data.tags.get("dmltrain.checkpoint_step", 0)) >= step:
-            return run.info.run_id
+        recorded = int(run.data.tags.get("dmltrain.checkpoint_step", 0)) if run is not None else 0
+        if run is not None and recorded >= step:
+            return run.info.run_id, recorded
         status = bed.job(job)["status"]
         assert status in ("PENDING", "RUNNING"), f"job {status} early:\n{bed.job_logs(job)[-6000:]}"
         time.sleep(0.5)
     raise AssertionError(f"no checkpoint at step {step} in time:\n{bed.job_logs(job)[-6000:]}")
+
+
+def test_default_config_is_refused_before_any_worker_starts(bed: TestBed) -> None:
+    """(d) The quickstart as shipped (sqlite next to the driver, relative paths) cannot work here: the driver
+    says so, one line per setting with what to use instead, and no worker ever starts."""
+    started = time.monotonic()
+    _submit(bed, "scenario-d", _entrypoint(), None)  # no MLFLOW_TRACKING_URI, no overrides
+    logs = _finish(bed, "scenario-d", 300, expect="FAILED")
+    elapsed = time.monotonic() - started
+    problems = [line.removeprefix("error: ") for line in logs.splitlines() if "multi-node cluster" in line]
+    assert problems and all(" set " in line for line in problems), logs[-3000:]
+    named = {line.split("=", 1)[0] for line in problems}
+    assert named == {"mlflow.tracking_uri", "run.storage_path", "data.root"}, problems
+    tracking = next(line for line in problems if line.startswith("mlflow.tracking_uri="))
+    assert "sqlite:///" in tracking and "MLFLOW_TRACKING_URI" in tracking, tracking
+    assert "Traceback" not in logs, logs[-3000:]
+    # Nothing reached the workers: no controller, no training worker, no data built on the head's disk.
+    assert not bed.actors("TrainController") and not bed.actors("RayTrainWorker")
+    assert not list((bed.base / "nodes" / "head").rglob("dataset.json"))
+    print(f"scenario d: {elapsed:.0f} s from submission to the refusal")
 
 
 def test_quickstart_over_two_worker_nodes(bed: TestBed, shared_glyphs: Path) -> None:
@@ -190,8 +214,8 @@ def test_quickstart_over_two_worker_nodes(bed: TestBed, shared_glyphs: Path) -> 
     stored = bed.base / "nodes" / "head" / "mlartifacts"
     assert list(stored.glob(f"*/{run.info.run_id}/artifacts/model/model.pt")), sorted(stored.rglob("*"))[:20]
     # Ray's checkpoints on the shared volume, each complete.
-    checkpoints = sorted((storage / "scenario-a").glob("checkpoint_2*"))
-    assert len(checkpoints) == 2, checkpoints
+    checkpoints = sorted((storage / "scenario-a").glob("checkpoint_0*"))
+    assert [c.name for c in checkpoints] == ["checkpoint_000000003", "checkpoint_000000006"], checkpoints
     assert all((c / "state.pt").is_file() and (c / "stream_rank0001.pt").is_file() for c in checkpoints)
     print(f"scenario a: {time.monotonic() - started:.0f} s")
 
@@ -217,7 +241,7 @@ def test_node_loss_resumes_from_the_last_checkpoint(bed: TestBed, s3_glyphs: str
         {"MLFLOW_TRACKING_URI": bed.mlflow_url, **bed.s3_env},
     )
     client = MlflowClient(bed.mlflow_url)
-    run_id = _wait_checkpoint(client, "scenario-b", 5, "scenario-b", bed)
+    run_id, stored = _wait_checkpoint(client, "scenario-b", 5, "scenario-b", bed)
     first = worker_groups(bed.job_logs("scenario-b"))[0]
     victim = next(n for n in bed.nodes.values() if n.address == first[0])
     bed.kill_node(victim.name)
@@ -230,10 +254,70 @@ def test_node_loss_resumes_from_the_last_checkpoint(bed: TestBed, s3_glyphs: str
     assert len(groups) >= 2, logs[-4000:]
     assert victim.address not in groups[-1].values() and replacement.address in groups[-1].values()
     resumed = [int(s) for s in re.findall(r"rank \d+ resumed at step (\d+)", logs)]
-    assert resumed and resumed[-1] >= 5 and resumed[-1] % 5 == 0, resumed
+    assert resumed and min(resumed) >= stored and resumed[-1] % 5 == 0, (stored, resumed)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert _steps(client, run_id) == list(range(1, steps + 1))  # every step exactly once
     assert run.data.tags["dmltrain.checkpoint_step"] == str(steps)
     after_kill = time.monotonic() - killed_at
     print(f"scenario b: {time.monotonic() - started:.0f} s, {after_kill:.0f} s after kill; resumed {resumed}")
+
+
+def _driver_pids(bed: TestBed) -> list[int]:
+    """The job driver (``python -m dmltrain.run``) on the head, by its command line."""
+    pids = []
+    for pid in bed.processes(bed.head, command="dmltrain.run"):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if argv[1:3] == [b"-m", b"dmltrain.run"]:
+                pids.append(pid)
+    return pids
+
+
+def test_driver_loss_then_resubmission_resumes_the_same_mlflow_run(bed: TestBed, shared_glyphs: Path) -> None:
+    """(c) The driver is SIGKILLed mid-run (the head's OOM killer, a pod eviction); the same job submitted
+    again resumes from the last checkpoint into the same MLflow run. A third launch is stopped with
+    `ray job stop` (SIGTERM) and the MLflow run shows KILLED until the next launch finishes it."""
+    started = time.monotonic()
+    steps = 20
+    entrypoint = _entrypoint(
+        *SMALL,
+        f"data.root={shared_glyphs}",
+        f"run.storage_path={bed.shared / 'ray_results'}",
+        "run.name=scenario-c",
+        "model.backbone=mobilenet_v3_small",
+        f"train.steps={steps}",
+        "train.log_every=1",
+        "train.checkpoint_every=5",
+        f"train.eval_every={steps}",
+    )
+    env = {"MLFLOW_TRACKING_URI": bed.mlflow_url}
+    client = MlflowClient(bed.mlflow_url)
+
+    _submit(bed, "scenario-c-1", entrypoint, env)
+    run_id, first_stored = _wait_checkpoint(client, "scenario-c", 5, "scenario-c-1", bed)
+    drivers = _driver_pids(bed)
+    assert len(drivers) == 1, drivers
+    os.kill(drivers[0], signal.SIGKILL)
+    assert _finish(bed, "scenario-c-1", 120, expect="FAILED")
+    assert client.get_run(run_id).info.status == "RUNNING"  # nobody was left to say otherwise
+
+    _submit(bed, "scenario-c-2", entrypoint, env)
+    _, second_stored = _wait_checkpoint(client, "scenario-c", first_stored + 5, "scenario-c-2", bed)
+    stop = bed.ray_cli("job", "stop", "--address", bed.dashboard_url, "scenario-c-2")
+    assert stop.returncode == 0, stop.stderr[-2000:]
+    second = _finish(bed, "scenario-c-2", 120, expect="STOPPED")
+    assert client.get_run(run_id).info.status == "KILLED", second[-3000:]
+
+    _submit(bed, "scenario-c-3", entrypoint, env)
+    third = _finish(bed, "scenario-c-3", 480)
+    run = _run(client, "scenario-c")
+    assert run is not None and run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert _steps(client, run_id) == list(range(1, steps + 1))  # every step once over three launches
+    # Each launch continues from the newest checkpoint stored before the kill, even one Ray's controller
+    # had not registered yet (the driver died with it).
+    for logs, stored in ((second, first_stored), (third, second_stored)):
+        resumed = [int(s) for s in re.findall(r"rank \d+ resumed at step (\d+)", logs)]
+        assert resumed and min(resumed) >= stored and resumed[0] % 5 == 0, (stored, resumed)
+    assert run.data.tags["dmltrain.segment"] == "3", run.data.tags
+    print(f"scenario c: {time.monotonic() - started:.0f} s for three launches")
