@@ -8,11 +8,9 @@ documents, so rank 0 always runs on a worker node, never beside the driver.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,10 +175,10 @@ def test_quickstart_over_two_worker_nodes(bed: TestBed, shared_glyphs: Path) -> 
             f"data.root={shared_glyphs}",
             f"run.storage_path={storage}",
             "run.name=scenario-a",
-            "train.steps=6",
+            "train.steps=4",
             "train.log_every=2",
-            "train.checkpoint_every=3",
-            "train.eval_every=6",
+            "train.checkpoint_every=4",
+            "train.eval_every=4",
         ),
         {"MLFLOW_TRACKING_URI": bed.mlflow_url},
     )
@@ -194,17 +192,17 @@ def test_quickstart_over_two_worker_nodes(bed: TestBed, shared_glyphs: Path) -> 
     client = MlflowClient(bed.mlflow_url)
     run = _run(client, "scenario-a")
     assert run is not None and run.info.status == "FINISHED"
-    assert run.data.params["loss.name"] == "smoothap" and run.data.params["train.steps"] == "6"
+    assert run.data.params["loss.name"] == "smoothap" and run.data.params["train.steps"] == "4"
     assert run.data.params["data.root"] == str(shared_glyphs)
-    assert _steps(client, run.info.run_id) == [2, 4, 6]
-    assert _steps(client, run.info.run_id, "eval/test/recall_at_1") == [6]
+    assert _steps(client, run.info.run_id) == [2, 4]
+    assert _steps(client, run.info.run_id, "eval/test/recall_at_1") == [4]
     files = _artifacts(client, run.info.run_id)
     expected = {
         "config.yaml",
         "model/model.pt",
         "plots/training_curves.png",
-        "plots/recall_at_k/step_0000006.png",
-        "plots/retrievals/step_0000006.png",
+        "plots/recall_at_k/step_0000004.png",
+        "plots/retrievals/step_0000004.png",
         "checkpoints/latest/state.pt",
         "checkpoints/latest/stream_rank0000.pt",
         "checkpoints/latest/stream_rank0001.pt",
@@ -215,7 +213,7 @@ def test_quickstart_over_two_worker_nodes(bed: TestBed, shared_glyphs: Path) -> 
     assert list(stored.glob(f"*/{run.info.run_id}/artifacts/model/model.pt")), sorted(stored.rglob("*"))[:20]
     # Ray's checkpoints on the shared volume, each complete.
     checkpoints = sorted((storage / "scenario-a").glob("checkpoint_0*"))
-    assert [c.name for c in checkpoints] == ["checkpoint_000000003", "checkpoint_000000006"], checkpoints
+    assert [c.name for c in checkpoints] == ["checkpoint_000000004"], checkpoints
     assert all((c / "state.pt").is_file() and (c / "stream_rank0001.pt").is_file() for c in checkpoints)
     print(f"scenario a: {time.monotonic() - started:.0f} s")
 
@@ -223,7 +221,7 @@ def test_quickstart_over_two_worker_nodes(bed: TestBed, shared_glyphs: Path) -> 
 def test_node_loss_resumes_from_the_last_checkpoint(bed: TestBed, s3_glyphs: str) -> None:
     """(b) The node running rank 0 dies mid-run; a new node joins; every step is logged exactly once."""
     started = time.monotonic()
-    steps = 20
+    steps = 15
     _submit(
         bed,
         "scenario-b",
@@ -245,6 +243,7 @@ def test_node_loss_resumes_from_the_last_checkpoint(bed: TestBed, s3_glyphs: str
     first = worker_groups(bed.job_logs("scenario-b"))[0]
     victim = next(n for n in bed.nodes.values() if n.address == first[0])
     bed.kill_node(victim.name)
+    assert len(_steps(client, run_id)) < steps, "the node was killed too late to test a resume"
     assert not [x for x in bed.leftovers() if victim.namespace in x or victim.name in x]
     replacement = bed.add_worker()
     killed_at = time.monotonic()
@@ -263,21 +262,9 @@ def test_node_loss_resumes_from_the_last_checkpoint(bed: TestBed, s3_glyphs: str
     print(f"scenario b: {time.monotonic() - started:.0f} s, {after_kill:.0f} s after kill; resumed {resumed}")
 
 
-def _driver_pids(bed: TestBed) -> list[int]:
-    """The job driver (``python -m dmltrain.run``) on the head, by its command line."""
-    pids = []
-    for pid in bed.processes(bed.head, command="dmltrain.run"):
-        with contextlib.suppress(OSError):
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if argv[1:3] == [b"-m", b"dmltrain.run"]:
-                pids.append(pid)
-    return pids
-
-
 def test_driver_loss_then_resubmission_resumes_the_same_mlflow_run(bed: TestBed, shared_glyphs: Path) -> None:
-    """(c) The driver is SIGKILLed mid-run (the head's OOM killer, a pod eviction); the same job submitted
-    again resumes from the last checkpoint into the same MLflow run. A third launch is stopped with
-    `ray job stop` (SIGTERM) and the MLflow run shows KILLED until the next launch finishes it."""
+    """(c) The driver is stopped mid-run (as by `ray job stop`: SIGTERM, then SIGKILL): the MLflow run shows
+    KILLED, and the same job submitted again resumes from the newest stored checkpoint into the same run."""
     started = time.monotonic()
     steps = 20
     entrypoint = _entrypoint(
@@ -295,29 +282,20 @@ def test_driver_loss_then_resubmission_resumes_the_same_mlflow_run(bed: TestBed,
     client = MlflowClient(bed.mlflow_url)
 
     _submit(bed, "scenario-c-1", entrypoint, env)
-    run_id, first_stored = _wait_checkpoint(client, "scenario-c", 5, "scenario-c-1", bed)
-    drivers = _driver_pids(bed)
-    assert len(drivers) == 1, drivers
-    os.kill(drivers[0], signal.SIGKILL)
-    assert _finish(bed, "scenario-c-1", 120, expect="FAILED")
-    assert client.get_run(run_id).info.status == "RUNNING"  # nobody was left to say otherwise
+    run_id, stored = _wait_checkpoint(client, "scenario-c", 5, "scenario-c-1", bed)
+    bed.stop_job("scenario-c-1")  # what `ray job stop` asks the head for
+    first = _finish(bed, "scenario-c-1", 120, expect="STOPPED")
+    assert client.get_run(run_id).info.status == "KILLED", first[-3000:]
+    assert len(_steps(client, run_id)) < steps, "the driver was stopped too late to test a resume"
 
     _submit(bed, "scenario-c-2", entrypoint, env)
-    _, second_stored = _wait_checkpoint(client, "scenario-c", first_stored + 5, "scenario-c-2", bed)
-    stop = bed.ray_cli("job", "stop", "--address", bed.dashboard_url, "scenario-c-2")
-    assert stop.returncode == 0, stop.stderr[-2000:]
-    second = _finish(bed, "scenario-c-2", 120, expect="STOPPED")
-    assert client.get_run(run_id).info.status == "KILLED", second[-3000:]
-
-    _submit(bed, "scenario-c-3", entrypoint, env)
-    third = _finish(bed, "scenario-c-3", 480)
+    second = _finish(bed, "scenario-c-2", 480)
     run = _run(client, "scenario-c")
     assert run is not None and run.info.run_id == run_id and run.info.status == "FINISHED"
-    assert _steps(client, run_id) == list(range(1, steps + 1))  # every step once over three launches
-    # Each launch continues from the newest checkpoint stored before the kill, even one Ray's controller
-    # had not registered yet (the driver died with it).
-    for logs, stored in ((second, first_stored), (third, second_stored)):
-        resumed = [int(s) for s in re.findall(r"rank \d+ resumed at step (\d+)", logs)]
-        assert resumed and min(resumed) >= stored and resumed[0] % 5 == 0, (stored, resumed)
-    assert run.data.tags["dmltrain.segment"] == "3", run.data.tags
-    print(f"scenario c: {time.monotonic() - started:.0f} s for three launches")
+    assert _steps(client, run_id) == list(range(1, steps + 1))  # every step once over both launches
+    # It continues from the newest checkpoint stored before the stop, even one that Ray's controller had
+    # not registered yet (the controller died with the driver).
+    resumed = [int(s) for s in re.findall(r"rank \d+ resumed at step (\d+)", second)]
+    assert resumed and min(resumed) >= stored and resumed[0] % 5 == 0, (stored, resumed)
+    assert run.data.tags["dmltrain.segment"] == "2", run.data.tags
+    print(f"scenario c: {time.monotonic() - started:.0f} s for both launches")

@@ -575,6 +575,17 @@ class TestBed:
         cli = [str(self.bin_dir / "ray"), *args]
         return subprocess.run(cli, env=self.submit_env(), capture_output=True, text=True, timeout=timeout)
 
+    def stop_job(self, submission_id: str) -> None:
+        """What ``ray job stop`` does (the driver gets SIGTERM, then SIGKILL), without the CLI's start-up."""
+        request = urllib.request.Request(
+            f"{self.dashboard_url}/api/jobs/{submission_id}/stop",
+            method="POST",
+            headers={"Authorization": f"Bearer {self.token}"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            if not json.loads(response.read()).get("stopped"):
+                raise BedError(f"job {submission_id} was not running")
+
     def job(self, submission_id: str) -> dict[str, Any]:
         return dict(self._get(f"/api/jobs/{submission_id}"))
 
