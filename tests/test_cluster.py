@@ -150,8 +150,8 @@ def test_default_config_is_refused_before_any_worker_starts(bed: TestBed) -> Non
     _submit(bed, "scenario-d", _entrypoint(), None)  # no MLFLOW_TRACKING_URI, no overrides
     logs = _finish(bed, "scenario-d", 300, expect="FAILED")
     elapsed = time.monotonic() - started
-    problems = [line.removeprefix("error: ") for line in logs.splitlines() if "multi-node cluster" in line]
-    assert problems and all(" set " in line for line in problems), logs[-3000:]
+    problems = [line.removeprefix("error: ") for line in logs.splitlines() if line.startswith("error: ")]
+    assert problems and all("multi-node cluster" in p and " set " in p for p in problems), logs[-3000:]
     named = {line.split("=", 1)[0] for line in problems}
     assert named == {"mlflow.tracking_uri", "run.storage_path", "data.root"}, problems
     tracking = next(line for line in problems if line.startswith("mlflow.tracking_uri="))
