@@ -128,6 +128,13 @@ def _artifacts(client: MlflowClient, run_id: str, path: str | None = None) -> se
     return found
 
 
+def _model_artifacts(client: MlflowClient, model_id: str, path: str | None = None) -> set[str]:
+    found: set[str] = set()
+    for item in client.list_logged_model_artifacts(model_id, path):
+        found |= _model_artifacts(client, model_id, item.path) if item.is_dir else {item.path}
+    return found
+
+
 def _wait_checkpoint(client: MlflowClient, name: str, step: int, job: str, bed: TestBed) -> tuple[str, int]:
     """Wait until rank 0 has recorded a stored checkpoint at ``step`` or later (MLflow tag, set as soon as
     Ray's report returns, possibly before Ray's controller registers it); returns (run id, step)."""
@@ -179,6 +186,7 @@ def test_quickstart_over_two_worker_nodes(bed: TestBed, shared_glyphs: Path) -> 
             "train.log_every=2",
             "train.checkpoint_every=4",
             "train.eval_every=4",
+            "mlflow.log_checkpoints=true",
         ),
         {"MLFLOW_TRACKING_URI": bed.mlflow_url},
     )
@@ -199,7 +207,6 @@ def test_quickstart_over_two_worker_nodes(bed: TestBed, shared_glyphs: Path) -> 
     files = _artifacts(client, run.info.run_id)
     expected = {
         "config.yaml",
-        "model/model.pt",
         "plots/training_curves.png",
         "plots/recall_at_k/step_0000004.png",
         "plots/retrievals/step_0000004.png",
@@ -208,9 +215,20 @@ def test_quickstart_over_two_worker_nodes(bed: TestBed, shared_glyphs: Path) -> 
         "checkpoints/latest/stream_rank0001.pt",
     }
     assert expected <= files, expected - files
-    # Uploaded through the server: the files sit on the head's disk, which no worker node can see.
+    # The final model, logged by the driver from Ray's checkpoint on the shared volume (an MLflow model).
+    models = client.search_logged_models(
+        [run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'"
+    )
+    final = [m for m in models if m.name == "model"]
+    assert len(final) == 1, [m.name for m in models]
+    model_files = _model_artifacts(client, final[0].model_id)
+    assert "MLmodel" in model_files and any(f.endswith("/model.pt") for f in model_files), model_files
+    # All of it went through the server: the files sit on the head's disk, which no worker node can see.
     stored = bed.base / "nodes" / "head" / "mlartifacts"
-    assert list(stored.glob(f"*/{run.info.run_id}/artifacts/model/model.pt")), sorted(stored.rglob("*"))[:20]
+    assert list(stored.glob(f"*/{run.info.run_id}/artifacts/checkpoints/latest/state.pt")), sorted(
+        stored.rglob("*")
+    )
+    assert list(stored.glob(f"*/models/{final[0].model_id}/artifacts/**/model.pt")), sorted(stored.rglob("*"))
     # Ray's checkpoints on the shared volume, each complete.
     checkpoints = sorted((storage / "scenario-a").glob("checkpoint_0*"))
     assert [c.name for c in checkpoints] == ["checkpoint_000000004"], checkpoints

@@ -6,6 +6,7 @@ loop runs in-process against real glyph shards and a real MLflow sqlite store, s
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from dmltrain.service.best import is_scored, worst_score
 from dmltrain.service.config import ExperimentConfig, flatten, load_config, to_yaml
 from dmltrain.service.tracking import start_or_resume_run
 from dmltrain.service.train import NonFiniteLossError, WorkerLoop
@@ -111,7 +113,9 @@ def test_checkpoint_round_trip_continues_the_run(glyphs_root: Path, tmp_path: Pa
     loop.run()
     assert [r["step"] for r in first.reports] == [2, 4] and "eval/test/recall@1" in first.reports[-1]
     # Only evaluated checkpoints carry a real score for Ray's best-checkpoint ranking.
-    assert first.reports[0]["checkpoint_score"] == float("-inf")
+    assert first.reports[0]["checkpoint_score"] == worst_score("max") and not is_scored(worst_score("max"))
+    # Ray keeps scores in a JSON snapshot for relaunches: they must survive it (an infinity becomes null).
+    assert json.loads(json.dumps(first.reports[0], allow_nan=False)) == first.reports[0]
     assert first.reports[1]["checkpoint_score"] == first.reports[1]["eval/test/recall@1"]
     assert sorted(p.name for p in storage.iterdir()) == ["checkpoint_000000002", "checkpoint_000000004"]
     final_weights = {k: v.clone() for k, v in loop.net.state_dict().items()}
