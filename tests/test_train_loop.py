@@ -6,8 +6,10 @@ loop runs in-process against real glyph shards and a real MLflow sqlite store, s
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from dmltrain.service.best import is_scored, worst_score
 from dmltrain.service.config import ExperimentConfig, flatten, load_config, to_yaml
 from dmltrain.service.tracking import start_or_resume_run
 from dmltrain.service.train import NonFiniteLossError, WorkerLoop
@@ -50,13 +53,25 @@ class LocalContext:
     def get_checkpoint(self) -> _Checkpoint | None:
         return _Checkpoint(self.restore_from) if self.restore_from else None
 
-    def report(self, metrics: dict[str, float], directory: str | None, upload: str = "sync") -> None:
+    def report(
+        self,
+        metrics: dict[str, float],
+        directory: str | None,
+        upload: str = "sync",
+        name: str | None = None,
+        on_stored: Callable[[], None] | None = None,
+    ) -> None:
         self.reports.append(metrics)
         if directory:
-            target = self.root / f"checkpoint_{metrics['step']:04d}"
-            shutil.copytree(directory, target)
+            assert name is not None
+            shutil.copytree(directory, self.root / name, dirs_exist_ok=True)  # a replay stores again
+            if on_stored is not None:  # Ray calls it once the copy in storage is complete
+                on_stored()
             if upload == "async":  # as Ray does once an asynchronous upload is done
                 shutil.rmtree(directory)
+
+    def checkpoint_at(self, uri: str) -> _Checkpoint:
+        return _Checkpoint(Path(uri))
 
 
 def _setup(tmp_path: Path, glyphs: Path, *overrides: str) -> tuple[ExperimentConfig, str, str]:
@@ -83,27 +98,51 @@ def _setup(tmp_path: Path, glyphs: Path, *overrides: str) -> tuple[ExperimentCon
 
 def test_checkpoint_round_trip_continues_the_run(glyphs_root: Path, tmp_path: Path) -> None:
     config, run_id, uri = _setup(
-        tmp_path, glyphs_root, "train.steps=4", "train.checkpoint_every=2", "train.eval_every=4"
+        tmp_path,
+        glyphs_root,
+        "train.steps=4",
+        "train.checkpoint_every=2",
+        "train.eval_every=4",
+        f"run.storage_path={tmp_path}",
+        "run.name=loop",
     )
-    first = LocalContext(tmp_path)
+    storage = tmp_path / "loop"
+    storage.mkdir()
+    first = LocalContext(storage)
     loop = WorkerLoop(config, run_id, uri, first)
     loop.run()
     assert [r["step"] for r in first.reports] == [2, 4] and "eval/test/recall@1" in first.reports[-1]
     # Only evaluated checkpoints carry a real score for Ray's best-checkpoint ranking.
-    assert first.reports[0]["checkpoint_score"] == float("-inf")
+    assert first.reports[0]["checkpoint_score"] == worst_score("max") and not is_scored(worst_score("max"))
+    # Ray keeps scores in a JSON snapshot for relaunches: they must survive it (an infinity becomes null).
+    assert json.loads(json.dumps(first.reports[0], allow_nan=False)) == first.reports[0]
     assert first.reports[1]["checkpoint_score"] == first.reports[1]["eval/test/recall@1"]
+    assert sorted(p.name for p in storage.iterdir()) == ["checkpoint_000000002", "checkpoint_000000004"]
     final_weights = {k: v.clone() for k, v in loop.net.state_dict().items()}
+    client = MlflowClient(uri)
+    assert client.get_run(run_id).data.tags["dmltrain.checkpoint_step"] == "4"
 
     # A fresh loop restored from the step-2 checkpoint replays steps 3-4 from the same stream position.
-    again = LocalContext(tmp_path / "again", restore_from=tmp_path / "checkpoint_0002")
-    (tmp_path / "again").mkdir()
-    resumed = WorkerLoop(config, run_id, uri, again)
+    client.set_tag(run_id, "dmltrain.checkpoint_step", "2")  # as if step 4 had never been stored
+    resumed = WorkerLoop(
+        config, run_id, uri, LocalContext(storage, restore_from=storage / "checkpoint_000000002")
+    )
     assert resumed.step == 2 and resumed.stream.step == 2
     resumed.run()
     for key, value in resumed.net.state_dict().items():
         torch.testing.assert_close(value, final_weights[key], msg=key)
-    steps = [m.step for m in MlflowClient(uri).get_metric_history(run_id, "train/loss")]
+    steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
     assert steps == [1, 2, 3, 4]  # the replayed steps were not logged a second time
+
+    # Ray hands back step 2 (it never registered step 4: its node died right after storing it), but rank 0
+    # recorded step 4 in MLflow: the loop continues from step 4, not 2.
+    assert client.get_run(run_id).data.tags["dmltrain.checkpoint_step"] == "4"
+    latest = WorkerLoop(
+        config, run_id, uri, LocalContext(storage, restore_from=storage / "checkpoint_000000002")
+    )
+    assert latest.step == 4 and latest.stream.step == 4
+    for key, value in latest.net.state_dict().items():
+        torch.testing.assert_close(value, final_weights[key], msg=key)
 
 
 def test_nan_steps_are_skipped_then_fail_clearly(glyphs_root: Path, tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,6 +36,9 @@ from dmltrain.service.best import SCORE_KEY, BestTracker, resolve_best_metric, w
 from dmltrain.service.builders import build_loss, build_optimizer, build_scheduler, build_tn_schedule
 from dmltrain.service.checkpoints import (
     TrainingState,
+    checkpoint_dir_name,
+    checkpoint_dir_step,
+    checkpoint_uri,
     load_state,
     load_stream_state,
     save_state,
@@ -43,7 +48,7 @@ from dmltrain.service.config import ExperimentConfig
 from dmltrain.service.distributed_eval import evaluate
 from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
 from dmltrain.service.prefetch import BatchPrefetcher
-from dmltrain.service.tracking import CHECKPOINT_STEP_TAG, RunLogger
+from dmltrain.service.tracking import RunLogger
 
 log = logging.getLogger("dmltrain.service.train")
 
@@ -215,9 +220,33 @@ class WorkerLoop:
         self._restore()
 
     # ------------------------------------------------------------------ resume / checkpoint
-    def _restore(self) -> None:
-        """Continue from Ray's latest checkpoint (after a failure or a relaunch), if there is one."""
+    def _checkpoint_to_restore(self) -> Any:
+        """Ray's latest checkpoint, or a newer one rank 0 recorded in MLflow that Ray never registered.
+
+        The Ray Train controller learns of a stored checkpoint only when it next polls the workers (every
+        couple of seconds). If the node of rank 0 (or the driver, with the controller) dies in between, Ray
+        restarts from the checkpoint before, although the newer one is complete in storage; rank 0 tags
+        each checkpoint in MLflow as soon as its copy in storage is complete, so take that one.
+        """
         checkpoint = self.ray.get_checkpoint()
+        recorded = broadcast_object(self.logger.checkpoint_step if self.logger is not None else None)
+        registered = checkpoint_dir_step(str(checkpoint.path)) if checkpoint is not None else None
+        if recorded is None or (checkpoint is not None and (registered is None or registered >= recorded)):
+            return checkpoint
+        uri = checkpoint_uri(self.config.run.storage_path, self.config.run.name, recorded)
+        if self.rank == 0:
+            log.warning(
+                "resuming from the step-%d checkpoint rank 0 stored (%s); Ray registered %s before the "
+                "failure",
+                recorded,
+                uri,
+                "none" if checkpoint is None else f"step {registered}",
+            )
+        return self.ray.checkpoint_at(uri)
+
+    def _restore(self) -> None:
+        """Continue from the latest checkpoint (after a failure or a relaunch), if there is one."""
+        checkpoint = self._checkpoint_to_restore()
         if checkpoint is None:
             return
         with checkpoint.as_directory() as directory:
@@ -279,9 +308,11 @@ class WorkerLoop:
             )
             if self.logger is not None and self.config.mlflow.log_checkpoints:
                 self.logger.log_directory(directory, "checkpoints/latest")
-            self.ray.report(report, directory, upload)
-            if self.logger is not None:  # the Ray checkpoint's step, whether or not MLflow has a copy
-                self.logger.set_tag(CHECKPOINT_STEP_TAG, str(self.step))
+            # Rank 0 tags the step in MLflow once Ray has copied the checkpoint to storage (inline when
+            # synchronous, in Ray's upload thread when not): a restart resumes from it even if Ray's
+            # controller never registered it (see _checkpoint_to_restore).
+            on_stored = partial(self.logger.record_checkpoint, self.step) if self.logger is not None else None
+            self.ray.report(report, directory, upload, checkpoint_dir_name(self.step), on_stored)
         finally:
             if upload == "sync":  # async: Ray deletes the directory once it is uploaded
                 shutil.rmtree(directory, ignore_errors=True)
@@ -517,14 +548,43 @@ class _RayContext:
 
         return ray.train.get_checkpoint()
 
-    def report(self, metrics: dict[str, float], directory: str | None, upload: str = "sync") -> None:
+    def report(
+        self,
+        metrics: dict[str, float],
+        directory: str | None,
+        upload: str = "sync",
+        name: str | None = None,
+        on_stored: Callable[[], None] | None = None,
+    ) -> None:
+        """``ray.train.report``; ``name`` is the checkpoint's directory in storage, and ``on_stored`` runs
+        once the checkpoint is completely there (before Ray's controller hears of it)."""
         import ray.train
 
         checkpoint = ray.train.Checkpoint.from_directory(directory) if directory else None
         mode = (
             ray.train.CheckpointUploadMode.ASYNC if upload == "async" else ray.train.CheckpointUploadMode.SYNC
         )
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=mode)
+        upload_fn = None
+        if checkpoint is not None and on_stored is not None:
+
+            def upload_fn(local: Any, dir_name: str) -> Any:
+                # Ray's own copy (StorageContext is a DeveloperAPI; the image pins Ray), then the callback.
+                stored = ray.train.get_context().get_storage().persist_current_checkpoint(local, dir_name)
+                on_stored()
+                return stored
+
+        ray.train.report(
+            metrics,
+            checkpoint=checkpoint,
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=mode,
+            checkpoint_upload_fn=upload_fn,
+        )
+
+    def checkpoint_at(self, uri: str) -> Any:
+        import ray.train
+
+        return ray.train.Checkpoint(uri)
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
