@@ -1,4 +1,4 @@
-"""The cluster path on a real multi-node deployment built on this machine (dmltrain.testbed).
+"""The cluster path on a real multi-node deployment built on this machine (dmltrain.service.testbed).
 
 One bed per module: a 0-CPU head hosting MLflow (PostgreSQL, proxied artifacts) and an S3 endpoint, two
 1-CPU worker nodes, each node in its own network and mount namespace with its own disk, one shared
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from dmltrain.testbed import TestBed, bed_requirements
+from dmltrain.service.testbed import TestBed, bed_requirements
 
 pytestmark = pytest.mark.cluster
 

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from dmltrain.service.checkpoints import checkpoint_dir_name, checkpoint_dir_step, checkpoint_uri
-from dmltrain.testbed import bed_requirements
-from dmltrain.testbed.netns import Network
+from dmltrain.service.testbed import bed_requirements
+from dmltrain.service.testbed.netns import Network
 
 
 def test_bed_says_why_it_cannot_run_without_root(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,7 @@
-"""``python -m dmltrain.testbed [--workers N]``: start a test bed, say how to use it, Ctrl-C tears it down."""
+"""``python -m dmltrain.service.testbed [--workers N]``: start a test bed, say how to use it.
+
+Ctrl-C tears it down.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import sys
 import time
 from types import FrameType
 
-from dmltrain.testbed.bed import BedError, TestBed, bed_requirements
+from dmltrain.service.testbed.bed import BedError, TestBed, bed_requirements
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -16,7 +19,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dmltrain.testbed", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dmltrain.service.testbed", description=__doc__)
     parser.add_argument("--workers", type=int, default=2, help="worker nodes beside the 0-CPU head")
     parser.add_argument("--cpus", type=int, default=1, help="CPUs each worker node offers Ray")
     args = parser.parse_args(argv)
