@@ -247,3 +247,14 @@ def test_live_batchnorm_is_announced_once_when_it_breaks_the_exact_gradient() ->
     )
     assert batchnorm_note(_paper("sop_rll")) is None  # one worker, one chunk: BN sees the whole batch
     assert batchnorm_note(_paper("sop_rll").model_copy(update={"scaling": quick.scaling})) is not None
+
+
+def test_loss_options_reach_the_loss_objects() -> None:
+    from dmltrain.service.builders import build_loss
+
+    rll = build_loss(_paper("sop_rll").loss)
+    triplet = build_loss(_paper("sop_triplet").loss)
+    assert rll.gradient == "query" and rll.gallery_is_constant
+    assert triplet.triplets == "sampled" and triplet.margin == 0.2
+    quick = load_config(CONFIGS[0].parent / "quickstart.yaml", ["loss={name: rll}"])
+    assert build_loss(quick.loss).gradient == "both"

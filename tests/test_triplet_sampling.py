@@ -43,7 +43,7 @@ def test_triplet_batches_mix_many_classes_and_fit_the_sampled_loss(shards: Path)
     loader = TrainLoader(shards, 30, spec, rank=0, world_size=1, num_workers=0, image_size=8)
     query_classes = []
     for _ in range(8):
-        images, labels, categories = loader.next_batch()
+        images, labels, _categories = loader.next_batch()
         q, p, n = labels[0::3], labels[1::3], labels[2::3]
         assert torch.all(q == p) and torch.all(q != n)
         query_classes.append(len(set(q.tolist())))
