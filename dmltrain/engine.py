@@ -9,7 +9,9 @@ heuristic (Sec. 4.1) still gets the exact gradient, because the loss only sees t
 2. all-gather embeddings and labels from every rank (local batches may differ in size);
 3. score the LOCAL queries against the GLOBAL gallery, normalise by the loss's GLOBAL count and take the
    gradient with respect to the whole gathered matrix; sum that matrix gradient over ranks (every rank
-   contributes to every row) and keep the local rows: this is exactly dL/dE_local of the global batch;
+   contributes to every row) and keep the local rows: this is exactly dL/dE_local of the global batch.
+   A loss whose gallery is a constant for the gradient (`gallery_is_constant`, e.g. RLL's paper form)
+   only moves its queries, so the local rows' gradient is complete on its own rank and the sum is skipped;
 4. re-run the other chunks with autograd, replaying their RNG state, and back-propagate each chunk's
    slice of dL/dE;
 5. make every rank hold the SUM of the per-rank parameter gradients, reduced exactly once per step.
@@ -312,9 +314,18 @@ def _embedding_gradient(
         problem = f"non-finite embeddings from rank(s) {owners}: the model output has NaN/inf"
         return None, (float("nan"), 0.0, float(len(gallery)), 0.0), problem
 
+    # A loss whose gallery is constant for the gradient moves only its queries: differentiate with respect
+    # to the local rows alone (no gathered-matrix gradient, no cross-rank sum of it).
+    constant_gallery = bool(getattr(loss_fn, "gallery_is_constant", False))
     with torch.enable_grad():
-        ref = gallery.detach().requires_grad_(True)
-        queries = ref[offset : offset + n]
+        ref = gallery.detach()
+        if constant_gallery:
+            queries = ref[offset : offset + n].detach().requires_grad_(True)
+            wrt = queries
+        else:
+            ref.requires_grad_(True)
+            queries = ref[offset : offset + n]
+            wrt = ref
         has_parts = callable(getattr(loss_fn, "parts", None))
         if has_parts:
             query_index = torch.arange(offset, offset + n, device=ref.device)
@@ -346,16 +357,24 @@ def _embedding_gradient(
             objective = objective * grad_scale
         grad = None
         if objective.requires_grad:
-            (grad,) = torch.autograd.grad(objective, ref, allow_unused=True)
+            (grad,) = torch.autograd.grad(objective, wrt, allow_unused=True)
         if grad is None:  # no term depended on the embeddings: the exact gradient is zero
-            grad = torch.zeros_like(ref)
-    with clock:
-        all_reduce_sum_(grad)
+            grad = torch.zeros_like(wrt)
+    if constant_gallery:
+        # No (B_global x D) all-reduce; one flag keeps the finiteness decision the same on every rank.
+        bad = torch.tensor(0.0 if bool(torch.isfinite(grad).all()) else 1.0, device=grad.device)
+        with clock:
+            all_reduce_sum_(bad)
+        finite, local = float(bad) == 0.0, grad
+    else:
+        with clock:
+            all_reduce_sum_(grad)
+        finite, local = bool(torch.isfinite(grad).all()), grad[offset : offset + n]
     g_total, g_count, g_queries, g_valid = (float(v) for v in stats.tolist())
-    if not torch.isfinite(grad).all():
+    if not finite:
         problem = f"{type(loss_fn).__name__} produced a non-finite embedding gradient"
         return None, (float("nan"), g_count, g_queries, g_valid), problem
-    return grad[offset : offset + n], (g_total, g_count, g_queries, g_valid), None
+    return local, (g_total, g_count, g_queries, g_valid), None
 
 
 def _backward_chunks(

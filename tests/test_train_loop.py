@@ -19,6 +19,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from dmltrain.service.best import is_scored, worst_score
+from dmltrain.service.checkpoints import checkpoint_dir_name
 from dmltrain.service.config import ExperimentConfig, flatten, load_config, to_yaml
 from dmltrain.service.tracking import start_or_resume_run
 from dmltrain.service.train import NonFiniteLossError, WorkerLoop
@@ -183,7 +184,7 @@ def test_fp16_loop_scales_gradients_and_checkpoints_the_scaler(glyphs_root: Path
     tags = client.get_run(run_id).data.tags
     assert tags["dmltrain.precision"] == "fp16" and tags["dmltrain.device"].startswith("cpu")
     resumed = WorkerLoop(
-        config, run_id, uri, LocalContext(tmp_path, restore_from=tmp_path / "checkpoint_0001")
+        config, run_id, uri, LocalContext(tmp_path, restore_from=tmp_path / checkpoint_dir_name(1))
     )
     assert resumed.scaler is not None and resumed.scaler.state_dict() == loop.scaler.state_dict()
     assert resumed.scaler.state_dict() != torch.amp.GradScaler("cpu").state_dict()  # not a fresh scaler

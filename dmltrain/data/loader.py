@@ -36,7 +36,14 @@ from dmltrain.data.plan import TrainPlan
 from dmltrain.data.sampling import Batcher, PoolBatcher, ReservoirBatcher, SamplerSpec, TripletBatcher
 from dmltrain.data.shards import Sample, read_shard
 from dmltrain.data.stream import GroupStream, rank_shards, resolve_rank
-from dmltrain.data.transforms import TrainAugment, Transform, decode, test_transform, train_transform
+from dmltrain.data.transforms import (
+    ResizeMode,
+    TrainAugment,
+    Transform,
+    decode,
+    test_transform,
+    train_transform,
+)
 
 # 2: every worker fills a part of every step (1: each worker built whole batches of every W-th step), and
 # shards go to ranks first, then to a rank's workers.
@@ -255,6 +262,8 @@ class TrainLoader:
         transform: Transform | None = None,
         image_size: int = 224,
         crop_scale: tuple[float, float] = (0.16, 1.0),
+        resize_mode: ResizeMode = "shorter_side",
+        resize: int | None = None,
         with_keys: bool = False,
         info: DatasetInfo | None = None,
         prefetch_factor: int = 2,
@@ -273,7 +282,9 @@ class TrainLoader:
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self.num_workers = num_workers
         self.workers = max(1, num_workers)
-        self.transform = transform or train_transform(image_size, scale=crop_scale)
+        self.transform = transform or train_transform(
+            image_size, scale=crop_scale, resize_mode=resize_mode, resize=resize
+        )
         self.decode, self.decode_device = resolve_decode(decode, device)
         if self.decode == "gpu" and not isinstance(self.transform, TrainAugment):
             if decode == "gpu":
@@ -440,6 +451,7 @@ class EvalLoader:
         transform: Transform | None = None,
         image_size: int = 224,
         resize: int | None = None,
+        resize_mode: ResizeMode = "shorter_side",
         info: DatasetInfo | None = None,
         with_shards: bool = False,
     ) -> None:
@@ -458,7 +470,7 @@ class EvalLoader:
         self.num_samples = self.rank_counts[self.rank]
         self.batch_size = batch_size
         self.num_workers = num_workers
-        self.transform = transform or test_transform(image_size, resize)
+        self.transform = transform or test_transform(image_size, resize, resize_mode)
         self._urls = [(i, urls[i], shards[i].num_samples) for i in self.shards]
 
     def __len__(self) -> int:

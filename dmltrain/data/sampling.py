@@ -449,7 +449,13 @@ class TripletBatcher(Batcher):
     """Deep Ranking Alg. 1: each incoming image enters its category's reservoir (key u^(1/r), r = 1 here:
     plain class labels carry no graded relevance) and then yields one triplet from that reservoir: a query,
     a positive of the same class, and a negative from the same category (share `in_category_negatives`)
-    or from the other reservoirs. The batch is [q0, p0, n0, q1, p1, n1, ...]."""
+    or from the other reservoirs. The batch is [q0, p0, n0, q1, p1, n1, ...].
+
+    Alg. 1 reads a stream of single images, but the group stream delivers whole classes in a row; fed
+    directly, a batch's queries would come from the 3-4 classes just read. Incoming images are therefore
+    drawn at random from a window of `mix_images` buffered images (many classes), which restores an
+    image-level stream order.
+    """
 
     def __init__(
         self,
@@ -468,7 +474,8 @@ class TripletBatcher(Batcher):
         self.capacity = {c: max(16, math.ceil(self.pool_images * s)) for c, s in local_share.items()}
         self.buffers: dict[int, list[Sample]] = {}
         self.keys: dict[int, list[float]] = {}
-        self.pending: list[Sample] = []
+        self.pending: list[Sample] = []  # the mixing window of incoming images
+        self.mix_images = max(batch_size, self.pool_images // 2)
 
     def _insert(self, sample: Sample) -> int:
         c = sample.category
@@ -488,7 +495,10 @@ class TripletBatcher(Batcher):
         others = [o for o in sorted(self.buffers) if o != c and self.buffers[o]]
         for _ in range(tries):
             query = buf[int(self.rng.integers(len(buf)))]
-            positives = [s for s in buf if s.cls == query.cls and s is not query]
+            # by shard position, not identity: a resumed buffer holds one object per image, and a stream
+            # that wrapped around may have put a second copy of the query in (never its own positive)
+            where = (query.shard, query.member)
+            positives = [s for s in buf if s.cls == query.cls and (s.shard, s.member) != where]
             if not positives:
                 continue
             positive = positives[int(self.rng.integers(len(positives)))]
@@ -505,12 +515,18 @@ class TripletBatcher(Batcher):
         self.counters["images_without_triplet"] += 1
         return None
 
+    def _next_image(self) -> Sample:
+        """A random image of the mixing window, refilled with whole groups from the stream."""
+        while len(self.pending) < self.mix_images:
+            self.pending.extend(self.stream.next_group().samples)
+        i = int(self.rng.integers(len(self.pending)))
+        self.pending[i], self.pending[-1] = self.pending[-1], self.pending[i]
+        return self.pending.pop()
+
     def next_batch(self, step: int) -> list[Sample]:
         out: list[Sample] = []  # a part of 0 images (a worker with no share of this batch) reads nothing
         while len(out) < self.batch_size:
-            if not self.pending:
-                self.pending = list(self.stream.next_group().samples)
-            triplet = self._triplet(self._insert(self.pending.pop(0)))
+            triplet = self._triplet(self._insert(self._next_image()))
             if triplet:
                 out.extend(triplet)
         return out

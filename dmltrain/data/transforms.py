@@ -1,8 +1,14 @@
 """Image decoding and the papers' augmentations, on uint8 tensors (torchvision.transforms.v2).
 
-Train: RandomResizedCrop (scale 0.16-1 as in FastAP/Smooth-AP code, 0.5-1 in RLL) + horizontal flip.
-Test: resize + single centre crop. Images stay uint8 so batches are 4x smaller to move between processes;
-the trainer's `preprocess` turns them into normalised floats on the device.
+Two geometries (`resize_mode`):
+- ``"shorter_side"``: train takes a RandomResizedCrop of the original image; test resizes the shorter side
+  and takes the centre crop (the aspect ratio is kept).
+- ``"warp"``: every image is first warped to ``resize x resize`` (256 x 256 for 224 crops), ignoring its
+  aspect ratio, then train takes a RandomResizedCrop of the warped image and test its centre crop: FastAP
+  Sec. 5.1, Smooth-AP Sec. 5.3 and RLL Sec. 4.1.2 all do this.
+Train crops use scale 0.16-1 (FastAP/Smooth-AP) or 0.5-1 (RLL 4.1.2) with a horizontal flip. Images stay
+uint8 so batches are 4x smaller to move between processes; the trainer's `preprocess` turns them into
+normalised floats on the device.
 
 The train augmentation is a `TrainAugment`: its random parameters are drawn (`draw`, from torch's CPU
 generator, exactly the draws of torchvision's RandomResizedCrop + RandomHorizontalFlip) apart from applying
@@ -118,7 +124,12 @@ def train_transform(
     return TrainAugment(size, scale, ratio, flip, resize_mode=resize_mode, resize=resize)
 
 
-def test_transform(size: int = 224, resize: int | None = None) -> Transform:
-    """Shorter side to `resize` (default size x 256/224, the papers' 256 for 224 crops), centre crop."""
-    resize = resize or round(size * 256 / 224)
-    return v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(size)])
+def test_transform(
+    size: int = 224, resize: int | None = None, resize_mode: ResizeMode = "shorter_side"
+) -> Transform:
+    """Shorter side to ``resize`` (or, with ``resize_mode="warp"``, the whole image to ``resize`` squared),
+    then the centre crop of ``size``; ``resize`` defaults to `default_resize(size)`."""
+    _check_mode(resize_mode)
+    side = resize or default_resize(size)
+    first = v2.Resize((side, side) if resize_mode == "warp" else side, antialias=True)
+    return v2.Compose([first, v2.CenterCrop(size)])

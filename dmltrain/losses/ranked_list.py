@@ -2,16 +2,22 @@
 
 Distances are plain Euclidean ``||x_i - x_j||``. Mined sets: positives with ``d > alpha - margin`` and
 negatives with ``d < alpha``; each set's pairs are weighted by ``exp(T (violation))`` normalised over the set
-(Eq. 9-12). The weights are constants for the gradient (computed from detached distances) while both
-embeddings of every pair receive gradient, as DESIGN.md specifies. (The paper's Sec. 3.2 remark treats the
-gallery features as constants; dmltrain deliberately differs so the global-batch gradient is symmetric.)
+(Eq. 9-12). The weights are constants for the gradient (computed from detached distances).
+
+Which embeddings receive gradient is a choice (``gradient=``):
+- ``"both"`` (default, DESIGN.md): both embeddings of every pair, the gradient of the batch loss (Eq. 14)
+  with the weights held constant;
+- ``"query"``: the paper's Sec. 3.2 form, "in the ranked list of x_i, we regard the features of other
+  examples as constants": each query's term moves only the query's own embedding. Besides following the
+  paper, it lets the distributed engine skip the all-reduce of the gathered-matrix gradient
+  (`gallery_is_constant`), since a rank's rows then get gradient from that rank's queries alone.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -25,6 +31,9 @@ _MIN_DISTANCE = 1e-12
 # exp() arguments are kept >= -80: e^-80 is ~1e-35 of the largest weight (nothing in float32 sums) and exp
 # of very negative float32 numbers takes a slow underflow path on CPU (over 100x slower).
 _MIN_EXPONENT = -80.0
+
+RLLGradient = Literal["both", "query"]
+RLL_GRADIENTS: tuple[RLLGradient, ...] = ("both", "query")
 
 
 def _set_weights(active: Tensor, logits: Tensor, bound: float | None) -> tuple[Tensor, Tensor]:
@@ -181,6 +190,9 @@ class RankedListLoss(RankingLoss):
     ``alpha = 1 + margin / 2``.
     ``tn`` may be changed between steps (see `TnSchedule`, Eq. 15).
 
+    ``gradient="both"`` gives both embeddings of every pair gradient; ``gradient="query"`` treats the other
+    examples' features as constants in each query's ranked list (Sec. 3.2), see the module docstring.
+
     ``reduction="none"`` gives each query's ``L_RLL`` (an empty mined set contributes 0); ``parts().count``
     is the number of queries and ``num_valid`` the number of queries with at least one mined pair.
     """
@@ -192,6 +204,7 @@ class RankedListLoss(RankingLoss):
         tn: float = 10.0,
         tp: float = 0.0,
         lam: float = 0.5,
+        gradient: RLLGradient = "both",
         *,
         memory_budget_mb: float | None = None,
         saved_budget_mb: float | None = None,
@@ -203,6 +216,9 @@ class RankedListLoss(RankingLoss):
             _require_finite("alpha", alpha)
         if not 0.0 <= lam <= 1.0:
             raise ValueError(f"lam must lie in [0, 1], got {lam!r}")
+        if gradient not in RLL_GRADIENTS:
+            raise ValueError(f"gradient must be one of {RLL_GRADIENTS}, got {gradient!r}")
+        self.gradient: RLLGradient = gradient
         self.margin = float(margin)
         self.alpha = None if alpha is None else float(alpha)
         self.tn = float(tn)
@@ -214,6 +230,12 @@ class RankedListLoss(RankingLoss):
         """``alpha``, or RLL-Simpler's ``1 + margin / 2`` when it was left as None."""
         return 1.0 + self.margin / 2.0 if self.alpha is None else self.alpha
 
+    @property
+    def gallery_is_constant(self) -> bool:
+        """True when only the queries receive gradient (``gradient="query"``): the engine's cue that the
+        gathered gallery's gradient needs no cross-rank sum."""
+        return self.gradient == "query"
+
     def _kernel(self) -> _RankedListKernel:
         _require_finite("tn", self.tn)
         return _RankedListKernel(self.margin, self.effective_alpha, self.tn, self.tp, self.lam)
@@ -222,10 +244,29 @@ class RankedListLoss(RankingLoss):
         _require_finite("tn", self.tn)
         return _RankedListStream(self.margin, self.effective_alpha, self.tn, self.tp, self.lam)
 
+    def _evaluate(
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        ref_embeddings: Tensor | None,
+        ref_labels: Tensor | None,
+        query_index: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        if self.gradient == "query":
+            # Sec. 3.2: each ranked list is scored against constant features; the query keeps its gradient
+            # through the query side of every distance. In-batch retrieval becomes an explicit gallery of
+            # the detached batch (anything malformed still reaches the base class's checks).
+            if ref_embeddings is not None:
+                ref_embeddings = ref_embeddings.detach()
+            elif ref_labels is None and query_index is None and isinstance(embeddings, Tensor):
+                ref_embeddings, ref_labels = embeddings.detach(), labels
+                query_index = torch.arange(embeddings.shape[0], device=embeddings.device)
+        return super()._evaluate(embeddings, labels, ref_embeddings, ref_labels, query_index)
+
     def extra_repr(self) -> str:
         return (
             f"margin={self.margin}, alpha={self.alpha} (effective {self.effective_alpha}), "
-            f"tn={self.tn}, tp={self.tp}, lam={self.lam}"
+            f"tn={self.tn}, tp={self.tp}, lam={self.lam}, gradient={self.gradient!r}"
         )
 
 

@@ -60,8 +60,16 @@ def build_loss(cfg: LossConfig) -> RankingLoss:
     if isinstance(cfg, SmoothAPConfig):
         return SmoothAPLoss(temperature=cfg.temperature, **memory)
     if isinstance(cfg, RankedListConfig):
-        return RankedListLoss(margin=cfg.margin, alpha=cfg.alpha, tn=cfg.tn, tp=cfg.tp, lam=cfg.lam, **memory)
-    return TripletLoss(margin=cfg.margin, **memory)
+        return RankedListLoss(
+            margin=cfg.margin,
+            alpha=cfg.alpha,
+            tn=cfg.tn,
+            tp=cfg.tp,
+            lam=cfg.lam,
+            gradient=cfg.gradient,
+            **memory,
+        )
+    return TripletLoss(margin=cfg.margin, triplets=cfg.triplets, **memory)
 
 
 def build_tn_schedule(cfg: LossConfig, loss: RankingLoss) -> TnSchedule | None:
@@ -75,7 +83,7 @@ def build_tn_schedule(cfg: LossConfig, loss: RankingLoss) -> TnSchedule | None:
 def build_test_transform(config: ExperimentConfig) -> Transform:
     """The test-time resize + centre crop of a run: evaluation, the served MLflow model and `dmltrain index`
     all take it from here, so they see images exactly alike."""
-    return test_transform(config.data.image_size, config.data.resize)
+    return test_transform(config.data.image_size, config.data.resize, config.data.resize_mode)
 
 
 def build_network(config: ModelConfig, pretrained: bool = True) -> EmbeddingNet:

@@ -33,7 +33,17 @@ class DataConfig(_Section):
     )
     train_split: str = "train"
     image_size: int = Field(default=224, ge=8, description="Side of the square crop the network sees.")
-    resize: int | None = Field(default=None, ge=8, description="Test-time resize before the centre crop.")
+    resize: int | None = Field(
+        default=None,
+        ge=8,
+        description="Resize before cropping: the test-time shorter side (shorter_side) or the square every "
+        "image is warped to for train and test (warp); None = image_size x 256/224.",
+    )
+    resize_mode: Literal["shorter_side", "warp"] = Field(
+        default="shorter_side",
+        description="shorter_side: train crops the original, test keeps the aspect ratio; warp: every image "
+        "is first warped to resize x resize (FastAP 5.1, Smooth-AP 5.3, RLL 4.1.2).",
+    )
     crop_scale: tuple[float, float] = Field(default=(0.16, 1.0), description="RandomResizedCrop scale range.")
     loader_workers: int = Field(default=2, ge=0, description="DataLoader processes per Ray worker.")
     decode: Literal["auto", "cpu", "gpu"] = Field(
@@ -77,7 +87,12 @@ class ModelConfig(_Section):
         default=None,
         description="None, a torchvision weights name (e.g. IMAGENET1K_V2, DEFAULT) or a local file path.",
     )
-    freeze_bn: bool = Field(default=True, description="BatchNorm in eval mode while training (papers).")
+    freeze_bn: bool = Field(
+        default=True,
+        description="BatchNorm in eval mode while training (papers). false: each chunk on each worker is "
+        "normalised with its own batch statistics, so the step is no longer the exact global-batch gradient "
+        "(it changes with train.chunk_size and scaling.num_workers).",
+    )
 
 
 class _LossSection(_Section):
@@ -117,11 +132,21 @@ class RankedListConfig(_LossSection):
     tp: float = 0.0
     lam: float = Field(default=0.5, ge=0, le=1)
     tn_schedule: TnScheduleConfig | None = None
+    gradient: Literal["both", "query"] = Field(
+        default="both",
+        description="both: both embeddings of every pair get gradient; query: only the query, the other "
+        "features are constants in its ranked list (RLL Sec. 3.2; skips the engine's gradient all-reduce).",
+    )
 
 
 class TripletConfig(_LossSection):
     name: Literal["triplet"]
     margin: float = Field(default=0.2, ge=0)
+    triplets: Literal["sampled", "all"] = Field(
+        default="sampled",
+        description="sampled: the triplet sampler's [q, p, n] triplets (Deep Ranking Eq. 8; needs "
+        "sampler.name=triplet); all: every valid in-batch triplet, averaged over the active ones.",
+    )
 
 
 LossConfig = Annotated[
@@ -292,6 +317,12 @@ class ExperimentConfig(_Section):
         if self.sampler.name == "pk" and self.sampler.samples_per_class < 2:
             raise ValueError(
                 "sampler.samples_per_class must be >= 2 for sampler.name=pk (a class needs a pair)"
+            )
+        sampled = isinstance(self.loss, TripletConfig) and self.loss.triplets == "sampled"
+        if sampled and self.sampler.name != "triplet":
+            raise ValueError(
+                f"loss.triplets=sampled scores the triplet sampler's triplets but sampler.name is "
+                f"{self.sampler.name!r}: set sampler.name=triplet, or loss.triplets=all"
             )
         return self
 

@@ -186,6 +186,8 @@ class WorkerLoop:
             num_workers=config.data.loader_workers,
             image_size=config.data.image_size,
             crop_scale=config.data.crop_scale,
+            resize_mode=config.data.resize_mode,
+            resize=config.data.resize,
             info=self.info,
             decode=_decode_mode(config.data.decode, self.device),
             device=self.device,
