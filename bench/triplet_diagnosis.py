@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append the run's summary as one JSON line here")
+    parser.add_argument("--save", default=None, help="save the final model's state_dict here")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -147,6 +148,8 @@ def main() -> None:
             history.append(row)
             print(json.dumps(row), flush=True)
             window = []
+    if args.save:
+        torch.save(model.state_dict(), args.save)
     summary = {"args": vars(args), "start": history[0], "end": history[-1]}
     if args.out:
         with open(args.out, "a") as f:

@@ -132,6 +132,55 @@ def test_launch_resolves_only_relative_local_paths(
     assert resolved.run.storage_path == expected_storage.format(base=base)
 
 
+@pytest.mark.parametrize(
+    ("name", "paper", "batch", "classes"),
+    [("sop_smoothap_b16k", "sop_smoothap", 16384, 11318), ("inat_smoothap_b8k", "inat_smoothap", 8192, 5690)],
+)
+def test_large_batch_configs_keep_the_method_and_state_their_memory(
+    name: str, paper: str, batch: int, classes: int
+) -> None:
+    """Only the batch (and what follows from it) differs from the paper config; the file says its memory."""
+    path = CONFIGS[0].parent / f"{name}.yaml"
+    big, base = load_config(path), load_config(path.parent / f"{paper}.yaml")
+    assert big.train.global_batch_size == batch and big.train.chunk_size == 256
+    assert big.local_batch_size == batch // 8 and big.local_batch_size % big.train.chunk_size == 0
+    assert batch // big.sampler.samples_per_class <= classes  # classes per step the data set has
+    # the same number of images seen as the paper config
+    assert big.train.steps * batch == base.train.steps * base.train.global_batch_size
+    for section in ("model", "loss", "optim"):
+        assert getattr(big, section) == getattr(base, section), section
+    assert big.data.resize_mode == base.data.resize_mode and big.data.crop_scale == base.data.crop_scale
+    if base.sampler.name == "pk":
+        assert big.sampler == base.sampler
+    else:  # SOP's category pairs cannot hold half of 16,384 images: P x K at the paper's |P| = 4
+        assert big.sampler.name == "pk" and big.sampler.samples_per_class == 4
+    assert (big.train.precision, big.train.compile, big.train.channels_last) == ("auto", "auto", "auto")
+    header = path.read_text().split("\ndata:")[0]
+    assert "Memory per GPU" in header and "10.7 GB" in header and "total: about" in header
+
+
+def test_precision_compile_and_memory_keys_validate(tmp_path: Path) -> None:
+    path = _write(tmp_path, lambda raw: None)
+    config = load_config(
+        path,
+        [
+            "train.precision=fp16",
+            "train.compile=false",
+            "train.channels_last=true",
+            "loss.saved_budget_mb=512",
+        ],
+    )
+    assert (config.train.precision, config.train.compile, config.train.channels_last) == ("fp16", False, True)
+    assert config.loss.saved_budget_mb == 512 and config.loss.memory_budget_mb is None
+    for bad, key in (
+        ("train.precision=fp8", "train.precision"),
+        ("train.compile=sometimes", "train.compile"),
+        ("loss.memory_budget_mb=0", "loss.memory_budget_mb"),
+    ):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(path, [bad])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the paper set-ups, checked against the papers (sections cited in each file's comments)
 
@@ -247,3 +296,14 @@ def test_live_batchnorm_is_announced_once_when_it_breaks_the_exact_gradient() ->
     )
     assert batchnorm_note(_paper("sop_rll")) is None  # one worker, one chunk: BN sees the whole batch
     assert batchnorm_note(_paper("sop_rll").model_copy(update={"scaling": quick.scaling})) is not None
+
+
+def test_loss_options_reach_the_loss_objects() -> None:
+    from dmltrain.service.builders import build_loss
+
+    rll = build_loss(_paper("sop_rll").loss)
+    triplet = build_loss(_paper("sop_triplet").loss)
+    assert rll.gradient == "query" and rll.gallery_is_constant
+    assert triplet.triplets == "sampled" and triplet.margin == 0.2
+    quick = load_config(CONFIGS[0].parent / "quickstart.yaml", ["loss={name: rll}"])
+    assert build_loss(quick.loss).gradient == "both"

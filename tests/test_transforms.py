@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from dmltrain.data import EvalLoader, SamplerSpec, TrainLoader, prepare, train_transform
+from dmltrain.data import EvalLoader, SamplerSpec, TrainAugment, TrainLoader, prepare, train_transform
 from dmltrain.data import test_transform as eval_transform
 
 
@@ -96,8 +96,7 @@ def test_loaders_pass_the_resize_mode_through(wide_shards: Path) -> None:
     train = TrainLoader(
         wide_shards, 8, spec, rank=0, world_size=1, num_workers=0, image_size=8, resize_mode="warp", resize=12
     )
-    first = train.transform.transforms[0]
-    assert isinstance(first, v2.Resize) and tuple(first.size) == (12, 12)
+    assert isinstance(train.transform, TrainAugment) and train.transform.warp == 12
     batch, _, _ = train.next_batch()
     assert batch.shape == (8, 3, 8, 8)
 

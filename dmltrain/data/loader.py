@@ -8,6 +8,10 @@ another and the main process joins them into the local batch (in a thread, one s
 caller): a batch draws on all of the rank's classes. Each part carries its worker's sampler state after
 that step; the main process keeps the states of the last batch it *returned*, so `state_dict()`
 describes exactly what the model has seen, whatever the workers had prefetched or joined ahead.
+
+With ``decode="gpu"`` the workers ship their parts still encoded, with each image's crop and flip already
+drawn, and the join thread decodes and augments the step's images on the training device
+(`dmltrain.data.device_decode`): the same batches as the CPU path up to the JPEG decoders' differences.
 """
 
 from __future__ import annotations
@@ -23,14 +27,23 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from dmltrain.data.device_decode import DecodeMode, DeviceDecoder, EncodedPart, encode_part, resolve_decode
 from dmltrain.data.metadata import DatasetInfo, load_dataset_info
 from dmltrain.data.plan import TrainPlan
 from dmltrain.data.sampling import Batcher, PoolBatcher, ReservoirBatcher, SamplerSpec, TripletBatcher
 from dmltrain.data.shards import Sample, read_shard
 from dmltrain.data.stream import GroupStream, rank_shards, resolve_rank
-from dmltrain.data.transforms import ResizeMode, Transform, decode, test_transform, train_transform
+from dmltrain.data.transforms import (
+    ResizeMode,
+    TrainAugment,
+    Transform,
+    decode,
+    test_transform,
+    train_transform,
+)
 
 # 2: every worker fills a part of every step (1: each worker built whole batches of every W-th step), and
 # shards go to ranks first, then to a rank's workers.
@@ -77,10 +90,14 @@ class TrainStream(IterableDataset):
         rank: int,
         transform: Transform,
         worker_states: dict[int, dict[str, Any]],
+        decode: str = "cpu",
     ) -> None:
+        """decode: "cpu" decodes and augments each part here; "gpu" draws the augmentation and ships the
+        part encoded (`transform` must then be a `TrainAugment`)."""
         super().__init__()
         self.urls, self.plan, self.rank, self.transform = urls, plan, rank, transform
         self.worker_states = worker_states
+        self.decode = decode
 
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
         info = get_worker_info()
@@ -106,7 +123,11 @@ class TrainStream(IterableDataset):
                     torch.default_generator.manual_seed(
                         int(np.random.SeedSequence([seed, consumer, step]).generate_state(1)[0])
                     )
-                    part = collate(samples, self.transform)
+                    if self.decode == "gpu":
+                        assert isinstance(self.transform, TrainAugment)
+                        part = encode_part(samples, self.transform)
+                    else:
+                        part = collate(samples, self.transform)
             step += 1
             state = {"step": step, "stream": stream.state_dict(), "batcher": batcher.state_dict()}
             yield part, [s.key for s in samples], worker, step - 1, state
@@ -143,12 +164,13 @@ class TrainStream(IterableDataset):
         )
 
 
-_Step = tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[str], dict[int, dict[str, Any]]]
+# (step, (images, labels, categories) or an EncodedPart, keys, each worker's state after its part)
+_Step = tuple[int, Any, list[str], dict[int, dict[str, Any]]]
 
 
 def _read_step(iterator: Iterator[Any], workers: int, steps: Iterator[int]) -> _Step:
     """The W parts of the next step from the DataLoader (which hands worker outputs over in round-robin
-    order), joined: (step, (images, labels, categories), keys, each worker's state after its part)."""
+    order), joined: (step, (images, labels, categories) or one EncodedPart, keys, worker states)."""
     expected_step = next(steps)
     parts, keys, states = [], [], {}
     for expected in range(workers):
@@ -162,26 +184,36 @@ def _read_step(iterator: Iterator[Any], workers: int, steps: Iterator[int]) -> _
             parts.append(part)
         keys += part_keys
         states[worker] = state
-    joined = parts[0] if len(parts) == 1 else tuple(torch.cat(t) for t in zip(*parts, strict=True))
+    if parts and isinstance(parts[0], EncodedPart):
+        joined: Any = EncodedPart.join(parts)
+    else:
+        joined = parts[0] if len(parts) == 1 else tuple(torch.cat(t) for t in zip(*parts, strict=True))
     return expected_step, joined, keys, states
 
 
 class _JoinAhead:
     """Reads and joins the parts of the next step in a background thread while the caller trains on the
     current one: torch.cat releases the GIL, so the copy (about 150 KB an image at 224 px) leaves the
-    caller's critical path. All sampling and decoding stays in the loader worker processes."""
+    caller's critical path. All sampling (and, decoding on the CPU, all decoding) stays in the loader
+    worker processes; `finish` (decoding on the device) runs here too, one step ahead."""
 
-    def __init__(self, iterator: Iterator[Any], workers: int, step: int) -> None:
+    def __init__(
+        self, iterator: Iterator[Any], workers: int, step: int, finish: Callable[[_Step], _Step]
+    ) -> None:
         self._queue: queue.Queue[_Step | BaseException] = queue.Queue(maxsize=1)
         self._stop = threading.Event()
         steps = itertools.count(step)
-        self._thread = threading.Thread(target=self._run, args=(iterator, workers, steps), daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(iterator, workers, steps, finish), daemon=True
+        )
         self._thread.start()
 
-    def _run(self, iterator: Iterator[Any], workers: int, steps: Iterator[int]) -> None:
+    def _run(
+        self, iterator: Iterator[Any], workers: int, steps: Iterator[int], finish: Callable[[_Step], _Step]
+    ) -> None:
         while not self._stop.is_set():
             try:
-                item: _Step | BaseException = _read_step(iterator, workers, steps)
+                item: _Step | BaseException = finish(_read_step(iterator, workers, steps))
             except BaseException as exc:  # handed to the caller, with its traceback
                 item = exc
             while not self._stop.is_set():
@@ -209,6 +241,12 @@ class TrainLoader:
     for one rank; `for batch in loader` runs one epoch (`steps_per_epoch` steps) and the next loop
     continues the stream. `state_dict()`/`load_state_dict()` resume it exactly (per rank). A batch the
     data cannot fill raises `plan.BatchError` here (`plan.check_batch` finds it before any worker starts).
+
+    decode: "cpu" (PIL in the loader workers; images on the host), "gpu" (the workers draw the crops and
+    ship JPEG bytes; images are decoded and augmented on `device`, default the current CUDA device, and
+    returned there) or "auto" (gpu where `device` is CUDA and torchvision decodes JPEGs on it, else cpu).
+    Both give the same crops for a seed, and the same loader state. `decode_batch` images are decoded
+    per device call (it bounds the memory full-size decoded images take on the device).
     """
 
     def __init__(
@@ -230,6 +268,9 @@ class TrainLoader:
         info: DatasetInfo | None = None,
         prefetch_factor: int = 2,
         multiprocessing_context: str | None = None,
+        decode: DecodeMode = "cpu",
+        device: torch.device | str | None = None,
+        decode_batch: int = 512,
     ) -> None:
         self.spec = sampler if isinstance(sampler, SamplerSpec) else SamplerSpec.from_config(sampler or {})
         if batch_size < 2:
@@ -244,6 +285,14 @@ class TrainLoader:
         self.transform = transform or train_transform(
             image_size, scale=crop_scale, resize_mode=resize_mode, resize=resize
         )
+        self.decode, self.decode_device = resolve_decode(decode, device)
+        if self.decode == "gpu" and not isinstance(self.transform, TrainAugment):
+            if decode == "gpu":
+                raise ValueError(
+                    "decode='gpu' draws the crops in the loader workers and applies them on the device: "
+                    "the transform must be a TrainAugment (dmltrain.data.train_transform), not a custom one"
+                )
+            self.decode, self.decode_device = "cpu", None
         self.with_keys = with_keys
         self.prefetch_factor = prefetch_factor
         self.multiprocessing_context = multiprocessing_context
@@ -256,6 +305,10 @@ class TrainLoader:
         self._worker_states: dict[int, dict[str, Any]] = {}
         self._source: Callable[[], _Step] | None = None
         self._joiner: _JoinAhead | None = None
+        self._decoder: DeviceDecoder | None = None
+        if self.decode == "gpu":
+            assert isinstance(self.transform, TrainAugment) and self.decode_device is not None
+            self._decoder = DeviceDecoder(self.transform, self.decode_device, self.urls, decode_batch)
 
     @property
     def epoch(self) -> int:
@@ -272,11 +325,14 @@ class TrainLoader:
         """The next local batch: the parts of this step from every loader worker, joined in worker order."""
         if self._source is None:
             iterator = iter(self._dataloader())
-            if self.workers > 1:
-                self._joiner = _JoinAhead(iterator, self.workers, self.step)
+            # Decoding on the device is worth a thread even for one worker; with no worker process the
+            # stream runs in this process and seeds torch's generator per part, so it stays in this thread.
+            if self.workers > 1 or (self._decoder is not None and self.num_workers > 0):
+                self._joiner = _JoinAhead(iterator, self.workers, self.step, self._finish)
                 self._source = self._joiner.get
             else:  # one part is the batch: nothing to join, and no thread beside the caller's RNG use
-                self._source = functools.partial(_read_step, iterator, 1, itertools.count(self.step))
+                read = functools.partial(_read_step, iterator, 1, itertools.count(self.step))
+                self._source = lambda: self._finish(read())
         step, (images, labels, categories), keys, states = self._source()
         if len(labels) != self.batch_size or step != self.step:
             raise RuntimeError(f"step {self.step}: got step {step} with {len(labels)} images")
@@ -284,8 +340,19 @@ class TrainLoader:
         self.step += 1
         return (images, labels, categories, keys) if self.with_keys else (images, labels, categories)
 
+    def _finish(self, item: _Step) -> _Step:
+        """Decode a step's encoded parts on the device (in the join thread when there is one)."""
+        step, joined, keys, states = item
+        if isinstance(joined, EncodedPart):
+            assert self._decoder is not None
+            images: Tensor = self._decoder(joined, keys)
+            joined = (images, joined.labels, joined.categories)
+        return step, joined, keys, states
+
     def _dataloader(self) -> DataLoader:
-        dataset = TrainStream(self.urls, self.plan, self.rank, self.transform, dict(self._worker_states))
+        dataset = TrainStream(
+            self.urls, self.plan, self.rank, self.transform, dict(self._worker_states), self.decode
+        )
         extra: dict[str, Any] = {}
         if self.num_workers > 0:
             extra = {

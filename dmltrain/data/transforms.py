@@ -9,18 +9,24 @@ Two geometries (`resize_mode`):
 Train crops use scale 0.16-1 (FastAP/Smooth-AP) or 0.5-1 (RLL 4.1.2) with a horizontal flip. Images stay
 uint8 so batches are 4x smaller to move between processes; the trainer's `preprocess` turns them into
 normalised floats on the device.
+
+The train augmentation is a `TrainAugment`: its random parameters are drawn (`draw`, from torch's CPU
+generator, exactly the draws of torchvision's RandomResizedCrop + RandomHorizontalFlip) apart from applying
+them (`apply`, on a tensor on any device), so the GPU decode path (`dmltrain.data.device_decode`) draws
+the crops in the loader workers and applies them on the GPU: a seed gives the same crops either way.
 """
 
 from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 from PIL import Image
 from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 ResizeMode = Literal["shorter_side", "warp"]
@@ -47,6 +53,63 @@ def _check_mode(resize_mode: str) -> None:
         raise ValueError(f"resize_mode must be one of {RESIZE_MODES}, got {resize_mode!r}")
 
 
+class CropFlip(NamedTuple):
+    """One image's augmentation: the crop box (pixels of the decoded image, or of the warped square in warp
+    mode) and whether to flip it."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+    flip: bool
+
+
+class TrainAugment:
+    """RandomResizedCrop to `size` (antialiased) + horizontal flip, of the original image or, with
+    ``resize_mode="warp"``, of the image first warped to `resize` x `resize` (aspect ratio ignored), with
+    the random draw apart from the pixel work. Called on an image it is the torchvision v2 pipeline it
+    replaces ([Resize,] RandomResizedCrop, RandomHorizontalFlip): the same generator calls in the same order
+    (crop, then the flip's coin), so a seed gives the same crops as before."""
+
+    def __init__(
+        self,
+        size: int = 224,
+        scale: tuple[float, float] = (0.16, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        flip: bool = True,
+        *,
+        resize_mode: ResizeMode = "shorter_side",
+        resize: int | None = None,
+    ) -> None:
+        _check_mode(resize_mode)
+        self.size = size
+        self.flip = flip
+        self.warp = (resize or default_resize(size)) if resize_mode == "warp" else None
+        self._crop = v2.RandomResizedCrop(size, scale=scale, ratio=ratio, antialias=True)
+
+    def draw(self, height: int, width: int) -> CropFlip:
+        """Parameters for an image of `height` x `width`, from torch's default CPU generator."""
+        if self.warp is not None:
+            height = width = self.warp
+        shape_only = torch.empty(1, dtype=torch.uint8).expand(1, height, width)  # no pixels allocated
+        # make_params is public from torchvision 0.21 on; older versions call it _get_params.
+        make_params = getattr(self._crop, "make_params", None) or self._crop._get_params
+        box = make_params([shape_only])
+        flip = self.flip and bool(torch.rand(1) < 0.5)  # RandomHorizontalFlip(p=0.5)'s coin
+        return CropFlip(box["top"], box["left"], box["height"], box["width"], flip)
+
+    def apply(self, image: torch.Tensor, params: CropFlip) -> torch.Tensor:
+        """uint8 (C, H, W) on any device -> uint8 (C, size, size)."""
+        if self.warp is not None:
+            image = F.resize(image, [self.warp, self.warp], antialias=True)
+        top, left, height, width, flip = params
+        out = F.resized_crop(image, top, left, height, width, [self.size, self.size], antialias=True)
+        return F.horizontal_flip(out) if flip else out
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return self.apply(image, self.draw(*image.shape[-2:]))
+
+
 def train_transform(
     size: int = 224,
     scale: tuple[float, float] = (0.16, 1.0),
@@ -55,18 +118,10 @@ def train_transform(
     *,
     resize_mode: ResizeMode = "shorter_side",
     resize: int | None = None,
-) -> Transform:
+) -> TrainAugment:
     """RandomResizedCrop to ``size`` (+ flip) of the original, or of the image warped to ``resize`` squared
     (``resize_mode="warp"``; ``resize`` defaults to `default_resize(size)`)."""
-    _check_mode(resize_mode)
-    steps: list[Transform] = []
-    if resize_mode == "warp":
-        side = resize or default_resize(size)
-        steps.append(v2.Resize((side, side), antialias=True))
-    steps.append(v2.RandomResizedCrop(size, scale=scale, ratio=ratio, antialias=True))
-    if flip:
-        steps.append(v2.RandomHorizontalFlip())
-    return v2.Compose(steps)
+    return TrainAugment(size, scale, ratio, flip, resize_mode=resize_mode, resize=resize)
 
 
 def test_transform(

@@ -16,13 +16,15 @@ Which embeddings receive gradient is a choice (``gradient=``):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from dmltrain.losses._rowwise import BlockResult, QueryBlock, add_at_columns
-from dmltrain.losses.base import DEFAULT_MEMORY_BUDGET_MB, RankingLoss
+from dmltrain.losses._streamed import ColumnTile, RowGroup
+from dmltrain.losses.base import RankingLoss
 
 # Distances below this are treated as coincident points: direction undefined, no gradient through the sqrt.
 _MIN_DISTANCE = 1e-12
@@ -99,6 +101,87 @@ class _RankedListKernel:
         return BlockResult(terms=terms, count=count, valid=valid)
 
 
+@dataclass
+class _RankedListState:
+    top: Tensor  # (k, 1) largest active negative logit (only needed without a known bound)
+    z_neg: Tensor  # (k, 1) sum of the negative weights (Eq. 12's normaliser)
+    weighted: Tensor  # (k, 1) sum of weight x violation over N*
+    any_neg: Tensor  # (k,) bool: N* is not empty
+    inv_z_neg: Tensor | None = None
+    pos_grad: Tensor | None = None  # (k, P) the positives' entries
+
+
+class _RankedListStream:
+    """RLL over column tiles: tiles add to the negatives' weight sums (Eq. 12); positives are direct."""
+
+    metric = "sqeuclidean"
+
+    def __init__(self, margin: float, alpha: float, tn: float, tp: float, lam: float) -> None:
+        self.margin, self.alpha, self.tn, self.tp, self.lam = margin, alpha, tn, tp, lam
+        # As _RankedListKernel: a known upper end of Tn (alpha - d) on N* is a safe shift; without one the
+        # exact masked row maximum is found in a first walk over the tiles.
+        self.bound = max(tn * alpha, 0.0) if abs(tn * alpha) <= 60.0 else None
+
+    def passes(self) -> int:
+        return 1 if self.bound is not None else 2
+
+    def start(self, group: RowGroup) -> _RankedListState:
+        k = group.queries.shape[0]
+        zeros = group.queries.new_zeros
+        top = torch.full((k, 1), float("-inf"), dtype=group.queries.dtype, device=group.queries.device)
+        any_neg = torch.zeros(k, dtype=torch.bool, device=top.device)
+        return _RankedListState(top=top, z_neg=zeros(k, 1), weighted=zeros(k, 1), any_neg=any_neg)
+
+    def _negatives(self, group: RowGroup, tile: ColumnTile) -> tuple[Tensor, Tensor, Tensor]:
+        dist = tile.values.sqrt()
+        neg_star = (~tile.same_label(group)).logical_and_(dist < self.alpha)
+        return dist, neg_star, torch.rsub(dist, self.alpha)
+
+    def _weights(self, state: _RankedListState, neg_star: Tensor, violation: Tensor) -> Tensor:
+        shift = (
+            self.bound if self.bound is not None else torch.where(torch.isfinite(state.top), state.top, 0.0)
+        )
+        logits = violation * self.tn - shift
+        return logits.clamp_(min=_MIN_EXPONENT, max=0.0).exp_().mul_(neg_star)
+
+    def add_tile(self, state: _RankedListState, group: RowGroup, tile: ColumnTile, walk: int) -> None:
+        _, neg_star, violation = self._negatives(group, tile)
+        if walk == 0 and self.bound is None:
+            tile_top = torch.where(neg_star, violation * self.tn, float("-inf")).amax(dim=1, keepdim=True)
+            torch.maximum(state.top, tile_top, out=state.top)
+            return
+        w = self._weights(state, neg_star, violation)
+        state.z_neg += w.sum(1, keepdim=True)
+        state.weighted += (w * violation).sum(1, keepdim=True)
+        state.any_neg |= neg_star.any(1)
+
+    def finish(self, state: _RankedListState, group: RowGroup) -> BlockResult:
+        lam, boundary = self.lam, self.alpha - self.margin
+        z = state.z_neg
+        state.inv_z_neg = torch.where(z > 0, 1.0 / torch.where(z > 0, z, 1.0), 0.0)
+        loss_neg = (state.weighted * state.inv_z_neg).squeeze(1)  # Eq. 12
+        pos_dist = group.pos_values.sqrt()
+        pos_star = group.pos_real & (pos_dist > boundary)
+        stretch = pos_dist - boundary
+        w_pos, inv_z_pos = _set_weights(pos_star, stretch * self.tp, None)
+        loss_pos = (w_pos * stretch).sum(1) * inv_z_pos.squeeze(1)  # Eq. 11
+        terms = (1.0 - lam) * loss_pos + lam * loss_neg  # Eq. 13
+        pos_grad = w_pos * inv_z_pos * (0.5 * (1.0 - lam)) / pos_dist.clamp(min=_MIN_DISTANCE)
+        state.pos_grad = torch.where(pos_star & (pos_dist > _MIN_DISTANCE), pos_grad, 0.0)
+        valid = pos_star.any(1) | state.any_neg
+        count = torch.tensor(float(terms.shape[0]), dtype=torch.float64, device=terms.device)
+        return BlockResult(terms=terms, count=count, valid=valid)
+
+    def jacobian(self, state: _RankedListState, group: RowGroup, tile: ColumnTile) -> Tensor:
+        assert state.inv_z_neg is not None and state.pos_grad is not None
+        dist, neg_star, violation = self._negatives(group, tile)
+        w = self._weights(state, neg_star, violation)
+        jac = w.mul_(state.inv_z_neg * (-0.5 * self.lam)).div_(dist.clamp(min=_MIN_DISTANCE))
+        jac.masked_fill_(neg_star.logical_and_(dist <= _MIN_DISTANCE), 0.0)
+        tile.add_at_positives(group, jac, state.pos_grad)
+        return jac
+
+
 class RankedListLoss(RankingLoss):
     """Ranked List Loss ``mean over all queries of (1 - lam) L_P + lam L_N`` (Eq. 13-14).
 
@@ -123,9 +206,10 @@ class RankedListLoss(RankingLoss):
         lam: float = 0.5,
         gradient: RLLGradient = "both",
         *,
-        memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
+        memory_budget_mb: float | None = None,
+        saved_budget_mb: float | None = None,
     ) -> None:
-        super().__init__(memory_budget_mb=memory_budget_mb)
+        super().__init__(memory_budget_mb=memory_budget_mb, saved_budget_mb=saved_budget_mb)
         for name, value in (("margin", margin), ("tn", tn), ("tp", tp), ("lam", lam)):
             _require_finite(name, value)
         if alpha is not None:
@@ -155,6 +239,10 @@ class RankedListLoss(RankingLoss):
     def _kernel(self) -> _RankedListKernel:
         _require_finite("tn", self.tn)
         return _RankedListKernel(self.margin, self.effective_alpha, self.tn, self.tp, self.lam)
+
+    def _stream_kernel(self) -> _RankedListStream:
+        _require_finite("tn", self.tn)
+        return _RankedListStream(self.margin, self.effective_alpha, self.tn, self.tp, self.lam)
 
     def _evaluate(
         self,

@@ -16,13 +16,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from dmltrain.losses._rowwise import BlockResult, QueryBlock, add_at_columns
-from dmltrain.losses.base import DEFAULT_MEMORY_BUDGET_MB, RankingLoss, _validated
+from dmltrain.losses._streamed import ColumnTile, RowGroup
+from dmltrain.losses.base import RankingLoss, _validated
 
 TripletSet = Literal["sampled", "all"]
 TRIPLET_SETS: tuple[TripletSet, ...] = ("sampled", "all")
@@ -61,6 +64,62 @@ class _TripletKernel:
                     jac[rows] = rows_jac
         valid = active_per_anchor > 0
         return BlockResult(terms=terms, count=active_per_anchor.sum(), valid=valid)
+
+
+@dataclass
+class _TripletState:
+    terms: Tensor  # (k,) sum of hinges per anchor
+    active: Tensor  # (k,) float64 active triplets per anchor
+    active_per_positive: Tensor  # (k, P) active triplets per (anchor, positive): d/d d2(a, p)
+
+
+class _TripletStream:
+    """Triplet hinge over column tiles: each tile holds candidate negatives for every (anchor, positive)."""
+
+    metric = "sqeuclidean"
+
+    def __init__(self, margin: float) -> None:
+        self.margin = margin
+
+    def passes(self) -> int:
+        return 1
+
+    def start(self, group: RowGroup) -> _TripletState:
+        k = group.queries.shape[0]
+        zeros = group.queries.new_zeros
+        active = torch.zeros(k, dtype=torch.float64, device=group.queries.device)
+        return _TripletState(terms=zeros(k), active=active, active_per_positive=zeros(group.pos_cols.shape))
+
+    def _slabs(self, group: RowGroup, tile: ColumnTile) -> Iterator[tuple[slice, slice, Tensor, Tensor]]:
+        """(rows, positives, hinge, active) over (rows x positives x tile); padding slots are inactive."""
+        d2_neg = torch.where(tile.same_label(group), float("inf"), tile.values)  # non-negatives: hinge 0
+        d2_ap = torch.where(group.pos_real, group.pos_values, float("-inf"))
+        k, width = group.pos_cols.shape
+        row_step, pos_step = group.slab_steps(tile.values.shape[1])
+        for r0 in range(0, k, row_step):
+            r1 = min(k, r0 + row_step)
+            for p0 in range(0, width, pos_step):
+                p1 = min(width, p0 + pos_step)
+                hinge = (d2_ap[r0:r1, p0:p1] + self.margin)[:, :, None] - d2_neg[r0:r1, None, :]
+                hinge.clamp_(min=0)
+                yield slice(r0, r1), slice(p0, p1), hinge, hinge.clamp(max=1.0).ceil_()
+
+    def add_tile(self, state: _TripletState, group: RowGroup, tile: ColumnTile, walk: int) -> None:
+        for rows, pos, hinge, active in self._slabs(group, tile):
+            state.terms[rows] += hinge.sum((1, 2))
+            state.active[rows] += active.sum((1, 2)).to(torch.float64)
+            state.active_per_positive[rows, pos] += active.sum(2)
+
+    def finish(self, state: _TripletState, group: RowGroup) -> BlockResult:
+        valid = state.active > 0
+        return BlockResult(terms=state.terms, count=state.active.sum(), valid=valid)
+
+    def jacobian(self, state: _TripletState, group: RowGroup, tile: ColumnTile) -> Tensor:
+        jac = torch.zeros_like(tile.values)
+        for rows, _, _, active in self._slabs(group, tile):
+            jac[rows] -= active.sum(1)  # d hinge / d d2(a, n) = -1 per active triplet
+        tile.add_at_positives(group, jac, state.active_per_positive)  # and +1 for d2(a, p)
+        return jac
 
 
 def _sampled_terms(
@@ -132,9 +191,10 @@ class TripletLoss(RankingLoss):
         margin: float = 0.2,
         triplets: TripletSet = "all",
         *,
-        memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
+        memory_budget_mb: float | None = None,
+        saved_budget_mb: float | None = None,
     ) -> None:
-        super().__init__(memory_budget_mb=memory_budget_mb)
+        super().__init__(memory_budget_mb=memory_budget_mb, saved_budget_mb=saved_budget_mb)
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
             raise ValueError(f"margin must be a finite number, got {margin!r}")
         if triplets not in TRIPLET_SETS:
@@ -144,6 +204,9 @@ class TripletLoss(RankingLoss):
 
     def _kernel(self) -> _TripletKernel:
         return _TripletKernel(self.margin)
+
+    def _stream_kernel(self) -> _TripletStream:
+        return _TripletStream(self.margin)
 
     def _evaluate(
         self,

@@ -51,6 +51,12 @@ class DataConfig(_Section):
         "another class: glyphs (b/d, acute/grave accents).",
     )
     loader_workers: int = Field(default=2, ge=0, description="DataLoader processes per Ray worker.")
+    decode: Literal["auto", "cpu", "gpu"] = Field(
+        default="auto",
+        description="Where training images are decoded and augmented: cpu = PIL in the loader workers; gpu = "
+        "JPEGs in batches on the worker's GPU (nvJPEG), the loader workers only sample, read and draw the "
+        "crops; auto = gpu on CUDA workers where torchvision decodes JPEGs, else cpu.",
+    )
 
     @model_validator(mode="after")
     def _check_scale(self) -> DataConfig:
@@ -94,12 +100,23 @@ class ModelConfig(_Section):
     )
 
 
-class FastAPConfig(_Section):
+class _LossSection(_Section):
+    """Memory of the loss call; None = from the device (see dmltrain.losses.RankingLoss)."""
+
+    memory_budget_mb: float | None = Field(
+        default=None, gt=0, description="Working memory of one block of queries; None: 64 MB CPU, CUDA auto."
+    )
+    saved_budget_mb: float | None = Field(
+        default=None, gt=0, description="Most kept for backward; above it the loss streams column tiles."
+    )
+
+
+class FastAPConfig(_LossSection):
     name: Literal["fastap"]
     num_bins: int = Field(default=10, ge=1)
 
 
-class SmoothAPConfig(_Section):
+class SmoothAPConfig(_LossSection):
     name: Literal["smoothap"]
     temperature: float = Field(default=0.01, gt=0)
 
@@ -112,7 +129,7 @@ class TnScheduleConfig(_Section):
     steps: int = Field(ge=1)
 
 
-class RankedListConfig(_Section):
+class RankedListConfig(_LossSection):
     name: Literal["rll"]
     margin: float = Field(default=0.4, gt=0)
     alpha: float | None = None
@@ -127,7 +144,7 @@ class RankedListConfig(_Section):
     )
 
 
-class TripletConfig(_Section):
+class TripletConfig(_LossSection):
     name: Literal["triplet"]
     margin: float = Field(default=0.2, ge=0)
     triplets: Literal["sampled", "all"] = Field(
@@ -163,8 +180,16 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(default=100, ge=1)
     eval_every: int = Field(default=500, ge=1)
     eval_at_start: bool = True
-    precision: Literal["auto", "fp32", "bf16"] = Field(
-        default="auto", description="auto = bf16 autocast on CUDA, fp32 on CPU."
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        default="auto",
+        description="auto = bf16 autocast on CUDA GPUs with bf16, fp16 with loss scaling on older ones, "
+        "fp32 on CPU.",
+    )
+    compile: bool | Literal["auto"] = Field(
+        default="auto", description="torch.compile the network; auto = on CUDA (eager fallback on failure)."
+    )
+    channels_last: bool | Literal["auto"] = Field(
+        default="auto", description="channels_last memory format; auto = convolutional networks on CUDA."
     )
     max_skipped_steps: int = Field(
         default=20, ge=0, description="Consecutive non-finite losses tolerated before the run fails."
@@ -280,24 +305,29 @@ class ExperimentConfig(_Section):
             )
         if self.train.global_batch_size // workers < self.sampler.samples_per_class:
             raise ValueError("each worker's batch must hold at least sampler.samples_per_class images")
+        if self.data.decode == "gpu" and self.scaling.use_gpu is False:
+            raise ValueError(
+                "data.decode=gpu decodes on the training workers' GPUs, but scaling.use_gpu=false: "
+                "set data.decode=auto or cpu"
+            )
         if self.sampler.name == "hard" and self.train.global_batch_size % 2:
             raise ValueError("sampler.name=hard splits the global batch in two halves: make it even")
-        local = self.local_batch_size
+        local = self.train.global_batch_size // workers
         if self.sampler.name == "triplet" and local % 3:
             raise ValueError(
                 f"sampler.name=triplet fills each worker's batch with whole triplets: "
                 f"train.global_batch_size={self.train.global_batch_size} / scaling.num_workers={workers} = "
                 f"{local} is not a multiple of 3"
             )
+        if self.sampler.name == "pk" and self.sampler.samples_per_class < 2:
+            raise ValueError(
+                "sampler.samples_per_class must be >= 2 for sampler.name=pk (a class needs a pair)"
+            )
         sampled = isinstance(self.loss, TripletConfig) and self.loss.triplets == "sampled"
         if sampled and self.sampler.name != "triplet":
             raise ValueError(
                 f"loss.triplets=sampled scores the triplet sampler's triplets but sampler.name is "
                 f"{self.sampler.name!r}: set sampler.name=triplet, or loss.triplets=all"
-            )
-        if self.sampler.name == "pk" and self.sampler.samples_per_class < 2:
-            raise ValueError(
-                "sampler.samples_per_class must be >= 2 for sampler.name=pk (a class needs a pair)"
             )
         return self
 
@@ -343,24 +373,37 @@ def _deep_copy(value: Any) -> Any:
 
 
 def _describe_errors(error: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}:"]
+    """One line per key; a union such as ``bool | "auto"`` lists its alternatives on that line."""
+    found: dict[str, list[tuple[str, Any]]] = {}
     for item in error.errors():
-        key = ".".join(str(p) for p in item["loc"] if not (isinstance(p, str) and p in _UNION_TAGS))
-        if not key:  # a check across sections: its message names the keys (the input is the whole config)
-            lines.append(f"  {item['msg'].removeprefix('Value error, ')}")
-        elif item["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key (typo?)")
+        key = ".".join(str(p) for p in item["loc"] if not _is_union_member(p))
+        if item["type"] == "extra_forbidden":
+            found.setdefault(key, []).append(("unknown key (typo?)", _NO_INPUT))
         elif item["type"] == "missing":
-            lines.append(f"  {key}: required key is missing")
+            found.setdefault(key, []).append(("required key is missing", _NO_INPUT))
         elif item["type"] == "value_error":  # a cross-field check: its message names the keys itself
-            message = str(item["msg"]).removeprefix("Value error, ")
-            lines.append(f"  {key}: {message}" if key else f"  {message}")
+            found.setdefault(key, []).append((str(item["msg"]).removeprefix("Value error, "), _NO_INPUT))
         else:
-            lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
+            found.setdefault(key, []).append((item["msg"], item.get("input")))
+    lines = [f"invalid config {source}:"]
+    for key, problems in found.items():
+        text = " or ".join(message for message, _ in problems)
+        value = problems[0][1]
+        lines.append(f"  {key}: {text}" if key else f"  {text}")
+        if value is not _NO_INPUT:
+            lines[-1] += f" (got {value!r})"
     return "\n".join(lines)
 
 
+_NO_INPUT = object()
 _UNION_TAGS = {"fastap", "smoothap", "rll", "triplet"}
+
+
+def _is_union_member(part: object) -> bool:
+    """A location step naming a union's member (loss kind, ``bool``, ``literal['auto']``), not a key."""
+    return isinstance(part, str) and (
+        part in _UNION_TAGS or part in {"bool", "int", "float"} or part.startswith("literal[")
+    )
 
 
 def config_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> ExperimentConfig:

@@ -262,6 +262,10 @@ def launch(
         if problems:
             raise ConfigError("\n".join(problems))
 
+    note = batchnorm_note(config)
+    if note:
+        log.warning(note)
+
     key = run_key(config.run.storage_path, config.run.name)
     existing = find_run(tracking_uri, config.mlflow.experiment, key)
     checkpoints = count_ray_checkpoints(config.run.storage_path, config.run.name)
@@ -271,9 +275,6 @@ def launch(
     if plan.action == "done":
         assert existing is not None
         return _finished_outcome(tracking_uri, existing.run_id)
-    note = batchnorm_note(config)
-    if note:
-        log.warning(note)
 
     connect_ray()
     import ray
@@ -283,6 +284,11 @@ def launch(
     )
     if warning:
         log.warning("!!! %s !!!", warning)
+    if config.data.decode == "gpu" and not use_gpu:
+        raise ConfigError(
+            "data.decode=gpu decodes on the training workers' GPUs, but scaling.use_gpu=auto found no GPU "
+            "in the cluster: set data.decode=auto or cpu"
+        )
     config_dump = config.model_dump(mode="json")
     if existing is None:
         run_id = create_run(
