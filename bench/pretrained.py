@@ -68,6 +68,7 @@ def run_case(
     eval_images: int | None,
     lr: float = 1e-4,
     evaluate_start: bool = False,
+    freeze_bn: bool = True,
 ) -> CaseResult:
     """Train ``steps`` Smooth-AP steps from ``weights`` (None = random init) and score the test split."""
     from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info, train_transform
@@ -98,7 +99,7 @@ def run_case(
         images, labels, _ = loader.next_batch()
         net.train()
         optimizer.zero_grad(set_to_none=True)
-        global_batch_step(net, images, labels, loss_fn, batch, preprocess=normalize, freeze_bn=True)
+        global_batch_step(net, images, labels, loss_fn, batch, preprocess=normalize, freeze_bn=freeze_bn)
         optimizer.step()
     seconds = time.perf_counter() - began
     metrics, seen = _evaluate(net, root, info, preprocessing, eval_images)
@@ -115,12 +116,16 @@ def main() -> None:
     parser.add_argument("--eval-images", type=int, default=None, help="cap on test images (default: all)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--bn", choices=["frozen", "train"], default="frozen", help="BatchNorm statistics while training"
+    )
     args = parser.parse_args()
     from dmltrain.data import ensure_glyphs
 
     torch.set_num_threads(args.threads)
     root = ensure_glyphs(args.data)
-    print(f"{BACKBONE}, {args.size} px, {args.steps} steps x {args.batch} images, Smooth-AP, Adam 1e-4")
+    setup = f"{args.size} px, {args.steps} steps x {args.batch} images, Smooth-AP, Adam 1e-4, BN {args.bn}"
+    print(f"{BACKBONE}, {setup}")
     print("seed | init       | R@1 step 0 | R@1 after | MAP@R after | train s | test images")
     for seed in args.seeds:
         for label, weights in (("pretrained", lite0_weights()), ("scratch", None)):
@@ -133,6 +138,7 @@ def main() -> None:
                 seed=seed,
                 eval_images=args.eval_images,
                 evaluate_start=True,
+                freeze_bn=args.bn == "frozen",
             )
             print(
                 f"{seed:4d} | {label:10s} | {r.recall_at_1_start:10.3f} | {r.recall_at_1:9.3f} | "
