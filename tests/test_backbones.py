@@ -233,7 +233,7 @@ def test_local_files_for_every_kind(tmp_path: Path) -> None:
     # A file of another architecture is refused, naming the key and what does not fit.
     with pytest.raises(ValueError, match=r"model.weights=.*does not fit this backbone: .* missing"):
         build_model("timm:resnet34", 8, str(tmp_path / "timm_r18.pth.tar"))
-    with pytest.raises(ValueError, match=r"model.weights=.*another architecture"):
+    with pytest.raises(ValueError, match=r"model.weights=.*does not fit this model"):
         build_model("timm:resnet18", 16, str(tmp_path / "model.pt"))
 
 
@@ -354,7 +354,7 @@ def test_modern_backbones_train_through_the_engine(backbone: str, size: int) -> 
 
 def test_model_mistakes_fail_before_ray_starts(tmp_path: Path) -> None:
     from dmltrain.service.config import ConfigError
-    from dmltrain.service.run import check_model_config
+    from dmltrain.service.preflight import check_config
 
     def config(*overrides: str):
         return load_config(REPO / "configs" / "quickstart.yaml", [f"data.root={tmp_path}", *overrides])
@@ -367,8 +367,8 @@ def test_model_mistakes_fail_before_ray_starts(tmp_path: Path) -> None:
         (["model.backbone=timm:resnet18", f"model.weights={LITE0}"], "does not fit this backbone"),
     ]:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-            check_model_config(config(*overrides))
-    check_model_config(config("model.backbone=timm:tf_efficientnet_lite0", f"model.weights={LITE0}"))
+            check_config(config(*overrides))
+    check_config(config("model.backbone=timm:tf_efficientnet_lite0", f"model.weights={LITE0}"))
     started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "dmltrain.run", "configs/quickstart.yaml", "model.backbone=timm:resnet_nope"],

@@ -139,7 +139,8 @@ def build_model(
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[0]
             raise ValueError(
-                f"model.weights={weights}: a dmltrain model of another architecture ({first})"
+                f"model.weights={weights}: does not fit this model (a dmltrain model of another "
+                f"architecture or embedding size: {first})"
             ) from None
     return net
 

@@ -32,10 +32,7 @@ def read_state_dict(path: str | Path) -> StateDict:
             ) from exc
         state: object = load_file(str(file), device="cpu")
     else:
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as exc:  # pickles with arbitrary objects, truncated files, not a torch file at all
-            raise ValueError(f"model.weights={file}: not a readable torch weights file ({exc})") from exc
+        state = _torch_load(file)
     for key in _NESTED_KEYS:
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
@@ -43,6 +40,22 @@ def read_state_dict(path: str | Path) -> StateDict:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"model.weights={file}: expected a state dict of tensors")
     return {_strip(k): v for k, v in state.items()}
+
+
+def _torch_load(file: Path) -> object:
+    """torch.load, memory-mapped when the file allows it (zip format): big files are not copied into
+    memory just to be matched against a model or copied into its parameters."""
+    try:
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            return torch.load(file, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+    except Exception as exc:  # pickles with arbitrary objects, truncated files, not a torch file at all
+        raise ValueError(
+            f"model.weights={file}: not a loadable state dict ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def _strip(key: str) -> str:
