@@ -19,6 +19,7 @@ from mlflow.tracking import MlflowClient
 from dmltrain.service.config import load_config
 from dmltrain.service.evaluate_model import evaluate_saved_model
 from dmltrain.service.run import launch
+from dmltrain.service.serving.loading import locate
 
 pytestmark = pytest.mark.service
 
@@ -55,7 +56,8 @@ def _run(tmp_path: Path, glyphs: Path, name: str, *overrides: str):
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(outcome.mlflow_run_id, "train/loss")] == [1, 2]
     assert 0.0 <= run.data.metrics["eval/test/recall_at_1"] <= 1.0
-    model_file = Path(client.download_artifacts(outcome.mlflow_run_id, "model/model.pt", str(tmp_path)))
+    # the final model is an MLflow model (a pyfunc holding model.pt), found through runs:/
+    model_file, _ = locate(f"runs:/{outcome.mlflow_run_id}/model", outcome.tracking_uri)
     return run, model_file
 
 
