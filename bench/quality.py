@@ -140,7 +140,7 @@ def workers_table(outcome: SweepOutcome) -> str:
         ("workers", "Ray workers"),
         ("global_batch_size", "global batch"),
         ("final_loss", "final loss"),
-        ("loss_gap", f"max |loss - {reference['label'] if reference else '?'}|"),
+        ("loss_gap", f"max \\|loss - {reference['label'] if reference else '?'}\\|"),
         ("recall_at_1", "R@1"),
         ("map_at_r", "MAP@R"),
         ("step_seconds", "s/step"),
