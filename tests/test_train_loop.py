@@ -92,6 +92,13 @@ def test_checkpoint_round_trip_continues_the_run(glyphs_root: Path, tmp_path: Pa
     assert first.reports[0]["checkpoint_score"] == float("-inf")
     assert first.reports[1]["checkpoint_score"] == first.reports[1]["eval/test/recall@1"]
     final_weights = {k: v.clone() for k, v in loop.net.state_dict().items()}
+    # Where the time went (time/* in MLflow): the parts fit inside the loop's wall time.
+    t = {k.removeprefix("time/"): v for k, v in MlflowClient(uri).get_run(run_id).data.metrics.items()}
+    assert t["eval_seconds"] > 0 and t["checkpoint_seconds"] > 0 and t["log_seconds"] > 0
+    assert t["comm_seconds"] <= t["engine_seconds"]
+    assert t["data_seconds"] + t["engine_seconds"] + t["update_seconds"] <= t["step_seconds"]
+    parts = t["step_seconds"] + t["eval_seconds"] + t["checkpoint_seconds"] + t["log_seconds"]
+    assert parts <= t["loop_seconds"] <= parts + 5.0
 
     # A fresh loop restored from the step-2 checkpoint replays steps 3-4 from the same stream position.
     again = LocalContext(tmp_path / "again", restore_from=tmp_path / "checkpoint_0002")

@@ -13,6 +13,8 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,13 @@ from dmltrain.distributed import all_gather_objects, broadcast_object
 from dmltrain.engine import default_autocast_dtype, global_batch_step
 from dmltrain.models import EmbeddingNet, build_model, normalize_images
 from dmltrain.service.best import SCORE_KEY, BestTracker, resolve_best_metric, worst_score
-from dmltrain.service.builders import build_loss, build_optimizer, build_scheduler, build_tn_schedule
+from dmltrain.service.builders import (
+    build_loss,
+    build_optimizer,
+    build_scheduler,
+    build_tn_schedule,
+    load_optimizer_state,
+)
 from dmltrain.service.checkpoints import (
     TrainingState,
     load_state,
@@ -53,7 +61,9 @@ class _StepStats:
     images: int
     seconds: float
     data_seconds: float
+    engine_seconds: float  # global_batch_step: forward, loss, backward, collectives (comm_seconds within)
     comm_seconds: float
+    update_seconds: float  # gradient norm, optimizer and schedule steps
     valid: int
     queries: int
 
@@ -108,6 +118,45 @@ class _Counters:
         self.empty_batches = int(state.get("empty_batches", 0))
 
 
+class _PhaseTimes:
+    """Where this launch's wall time went on this rank, by phase (cumulative seconds).
+
+    Logged by rank 0 as ``time/<phase>_seconds`` with every training log line, so the split between
+    stepping, data, collectives, logging, checkpoints and evaluation can be read back from MLflow
+    (bench/service.py does). ``comm`` is part of ``engine``; ``step`` holds data, engine and update plus
+    the step's own bookkeeping; ``loop`` is the wall time since the loop started.
+    """
+
+    PHASES = ("step", "data", "engine", "comm", "update", "log", "checkpoint", "eval")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.start = time.perf_counter()
+
+    def add_step(self, stats: _StepStats) -> None:
+        for phase, value in (
+            ("step", stats.seconds),
+            ("data", stats.data_seconds),
+            ("engine", stats.engine_seconds),
+            ("comm", stats.comm_seconds),
+            ("update", stats.update_seconds),
+        ):
+            self.seconds[phase] += value
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/{k}_seconds": v for k, v in self.seconds.items()}
+        out["time/loop_seconds"] = time.perf_counter() - self.start
+        return out
+
+
 def _unwrap(model: nn.Module) -> EmbeddingNet:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model  # type: ignore[return-value]
 
@@ -131,8 +180,8 @@ class WorkerLoop:
         self.rank = ray_ctx.rank
         self.world = ray_ctx.world_size
         self.device = ray_ctx.device
-        if config.scaling.torch_threads:
-            torch.set_num_threads(config.scaling.torch_threads)
+        # Explicit, because Ray exports OMP_NUM_THREADS=<CPUs of the worker> only when it is unset.
+        torch.set_num_threads(config.scaling.torch_threads or max(1, int(config.scaling.cpus_per_worker)))
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
         model = build_model(config.model.backbone, config.model.embedding_dim, config.model.weights)
         self.model = ray_ctx.prepare_model(model)
@@ -175,7 +224,9 @@ class WorkerLoop:
             else None
         )
         self.step = 0
-        self.logger = RunLogger(tracking_uri, run_id) if self.rank == 0 else None
+        self.times = _PhaseTimes()
+        # Metrics go to MLflow from a background thread: a step never waits for the tracking store.
+        self.logger = RunLogger(tracking_uri, run_id, asynchronous=True) if self.rank == 0 else None
         self._restore()
 
     # ------------------------------------------------------------------ resume / checkpoint
@@ -188,7 +239,7 @@ class WorkerLoop:
             state = load_state(directory)
             stream_state = load_stream_state(directory, self.rank)
         self.net.load_state_dict(state.model)
-        self.optimizer.load_state_dict(state.optimizer)
+        load_optimizer_state(self.optimizer, state.optimizer)
         self.scheduler.load_state_dict(state.scheduler)
         self.step = state.step
         self.counters.load_state_dict(state.counters)
@@ -305,6 +356,7 @@ class WorkerLoop:
             autocast_dtype=self.autocast,
             skip_nonfinite=True,
         )
+        t_update = time.perf_counter()
         loss = float(result.loss)
         norm = _grad_norm(self.params, cfg.optim.grad_clip)
         if math.isfinite(loss) and math.isfinite(norm):
@@ -337,28 +389,48 @@ class WorkerLoop:
         if self.tn_schedule is not None:
             self.tn_schedule.step()
         self.step += 1
+        end = time.perf_counter()
         return _StepStats(
             loss=loss,
             grad_norm=norm,
             images=cfg.train.global_batch_size,
-            seconds=time.perf_counter() - t0,
+            seconds=end - t0,
             data_seconds=data_seconds,
+            engine_seconds=result.comm_seconds + result.compute_seconds,
             comm_seconds=result.comm_seconds,
+            update_seconds=end - t_update,
             valid=result.num_valid,
             queries=result.num_queries,
         )
 
     def run(self) -> None:
+        try:
+            self._run()
+        except BaseException:
+            if self.logger is not None:  # store what was queued, but the loop's error is the one raised
+                try:
+                    self.logger.close()
+                except Exception as exc:
+                    log.warning("could not store the last queued metrics: %s", exc)
+            raise
+        if self.logger is not None:
+            self.logger.close()  # the queued metrics are stored before the worker reports completion
+
+    def _run(self) -> None:
         cfg = self.config.train
         if self.step == 0 and cfg.eval_at_start:
-            self._log(self._evaluate())
+            with self.times.phase("eval"):
+                evaluated = self._evaluate()
+            self._log(evaluated)
         window = _Window()
         while self.step < cfg.steps:
             stats = self._train_step()
+            self.times.add_step(stats)
             if math.isfinite(stats.loss):
                 window.add(stats)
             last = self.step == cfg.steps
-            if last or self.step % cfg.log_every == 0:
+            log_now = last or self.step % cfg.log_every == 0
+            if log_now:
                 metrics = window.metrics() if window.steps else {}
                 metrics.update(
                     {
@@ -381,12 +453,18 @@ class WorkerLoop:
                     )
                 window = _Window()
             evaluate_now = last or self.step % cfg.eval_every == 0
-            evaluated = self._evaluate() if evaluate_now else {}  # metrics on rank 0 only
+            evaluated: dict[str, float] = {}
+            if evaluate_now:
+                with self.times.phase("eval"):
+                    evaluated = self._evaluate()  # metrics on rank 0 only
             self._log(evaluated)
             stop = evaluate_now and self.best is not None and self._judge(evaluated)
             # Decided from the step alone, so every rank reaches Ray's report barrier at the same step.
             if evaluate_now or self.step % cfg.checkpoint_every == 0:
-                self._checkpoint(evaluated)
+                with self.times.phase("checkpoint"):
+                    self._checkpoint(evaluated)
+            if log_now or stop:  # after this step's evaluation and checkpoint, so the last one has all
+                self._log(self.times.metrics())
             if stop:
                 break
         if self.logger is not None:
@@ -394,7 +472,8 @@ class WorkerLoop:
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self.logger is not None and metrics:
-            self.logger.log_metrics(metrics, self.step)
+            with self.times.phase("log"):
+                self.logger.log_metrics(metrics, self.step)
 
     def _finish(self) -> None:
         """Rank 0: training curves from the full MLflow history (it survives restarts). The driver logs the
