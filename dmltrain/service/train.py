@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -418,6 +419,9 @@ class WorkerLoop:
 
     def _run(self) -> None:
         cfg = self.config.train
+        if self.logger is not None:  # what the workers actually run with (Ray and the env can differ)
+            self.logger.set_tag("dmltrain.torch_threads", str(torch.get_num_threads()))
+            self.logger.set_tag("dmltrain.omp_wait_policy", os.environ.get("OMP_WAIT_POLICY", "unset"))
         if self.step == 0 and cfg.eval_at_start:
             with self.times.phase("eval"):
                 evaluated = self._evaluate()
