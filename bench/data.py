@@ -1,8 +1,9 @@
 """Data pipeline throughput: stream + decode + augment + class-balanced batching vs. the same decode + augment
 on in-memory bytes (the ceiling) vs. torchvision ImageFolder + DataLoader, all in one process run; then the
-tar reader alone vs. webdataset's and Python's `tarfile` readers on the same shards.
+tar reader alone vs. webdataset's and Python's `tarfile` readers on the same shards; with CUDA, the GPU
+decode path (data.decode=gpu) against the CPU path.
 
-    python bench/data.py [--quick] [--workers 2]
+    python bench/data.py [--quick] [--workers 2] [--gpu-batch 512] [--decode-device cuda|cpu]
 
 The machine may be shared, so nothing is compared across separate time windows:
 - in-process rows (0 loader workers) run interleaved batch by batch (raw, stream, ImageFolder, raw, ...),
@@ -21,12 +22,20 @@ The raw baseline runs exactly the pipeline's `decode` and `train_transform` on t
 keeps the images as a list: it pays for no batch tensor, no file reading and no sampling, so everything the
 stream adds (reading the tar, grouping, sampling, the batch tensor, labels, sampler state) counts against it.
 With workers the baseline stacks its batches too (in shared memory), as handing a batch over requires.
+
+GPU rows (only where CUDA is present, or `--decode-device cpu` to exercise the same code on the CPU; the
+script says when they are skipped): interleaved batch by batch, (1) the CPU path's decode + augment in one
+process, (2) the training process's share of decode=gpu: batched `decode_jpeg` on the device + crop/resize/
+flip there, on parts encoded beforehand, (3) a loader worker's share of decode=gpu (image headers, crop
+draws, packing the bytes). Ratios against (1) and against the raw decode + augment rate of the N-worker
+row above; the loader end to end with decode=gpu joins the worker rows (same rounds, same baseline).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import statistics
 import tarfile
@@ -149,11 +158,20 @@ class InMemory(Dataset):
         return self.transform(decode(self.blobs[i]))
 
 
-def throughput_table(args: argparse.Namespace, tmp: Path, paths: list[Path]) -> float:
-    """Prints the pipeline table; returns the raw decode + augment CPU time per image (seconds)."""
+def decode_device(args: argparse.Namespace) -> torch.device | None:
+    """The device of the GPU rows: --decode-device, else CUDA where present, else None (rows skipped)."""
+    if args.decode_device:
+        return torch.device(args.decode_device)
+    return torch.device("cuda") if torch.cuda.is_available() else None
+
+
+def throughput_table(args: argparse.Namespace, tmp: Path, paths: list[Path]) -> tuple[float, float]:
+    """Prints the pipeline table; returns the raw decode + augment CPU time per image (seconds) and the
+    raw decode + augment rate of the worker rows (images/s; 0 without workers)."""
     transform = train_transform(args.crop, scale=(0.16, 1.0))
     blobs = [p.read_bytes() for p in paths]
     spec = SamplerSpec(name="pk", samples_per_class=4, pool_images=4 * args.batch)
+    gpu_spec = SamplerSpec(name="pk", samples_per_class=4, pool_images=4 * args.gpu_batch)
 
     def raw() -> Iterator[int]:
         for start in itertools.count(0, args.batch):
@@ -172,16 +190,18 @@ def throughput_table(args: argparse.Namespace, tmp: Path, paths: list[Path]) -> 
 
         return go
 
-    def streamed(workers: int) -> Callable[[], Iterator[int]]:
+    def streamed(workers: int, device: torch.device | None = None) -> Callable[[], Iterator[int]]:
         def go() -> Iterator[int]:
             loader = TrainLoader(
                 tmp / "shards",
-                args.batch,
-                spec,
+                args.batch if device is None else args.gpu_batch,
+                spec if device is None else gpu_spec,
                 rank=0,
                 world_size=1,
                 num_workers=workers,
                 transform=transform,
+                decode="cpu" if device is None else "gpu",
+                device=device,
             )
             try:
                 while True:
@@ -216,6 +236,10 @@ def throughput_table(args: argparse.Namespace, tmp: Path, paths: list[Path]) -> 
         Row("dmltrain stream + P x K batches", w, streamed(w)),
         Row("torchvision ImageFolder + DataLoader", w, image_folder(w)),
     ]
+    device = decode_device(args)
+    if device is not None:
+        name = f"dmltrain stream + P x K batches, decode=gpu on {device} (batch {args.gpu_batch})"
+        parallel.append(Row(name, w, streamed(w, device)))
     load_before = os.getloadavg()[0]
     run_interleaved(in_process, args.rounds, args.batches)
     if w > 0:
@@ -266,7 +290,80 @@ def throughput_table(args: argparse.Namespace, tmp: Path, paths: list[Path]) -> 
             f"1-process rate (ideal {w}x with {w} free cores); {w} workers + the main process on this "
             f"shared machine: rough figures"
         )
-    return raw_cpu
+    return raw_cpu, parallel[0].rate() if parallel else 0.0
+
+
+def device_table(args: argparse.Namespace, paths: list[Path], raw_workers_rate: float) -> None:
+    """The GPU rows (see the module docstring); says so and returns when there is no CUDA device."""
+    device = decode_device(args)
+    if device is None:
+        print(
+            "\nGPU rows: skipped, no CUDA device here (torch.cuda.is_available() is False). On a CUDA "
+            "machine they time batched nvJPEG decode + crop/resize/flip on the GPU against the CPU path; "
+            "--decode-device cpu runs the same code on the CPU"
+        )
+        return
+    from dmltrain.data.device_decode import DeviceDecoder, encode_part
+
+    transform = train_transform(args.crop, scale=(0.16, 1.0))
+    samples = [Sample(f"img{i}", p.read_bytes(), 0, 0, shard=0, url="memory") for i, p in enumerate(paths)]
+    n = args.gpu_batch
+    chunks = [samples[i : i + n] for i in range(0, len(samples) - n + 1, n)] or [samples]
+    keys = [[s.key for s in chunk] for chunk in chunks]
+    torch.manual_seed(0)
+    parts = [encode_part(chunk, transform) for chunk in chunks]
+    decoder = DeviceDecoder(transform, device, ["memory"], decode_batch=args.decode_batch)
+
+    def cpu_path() -> Iterator[int]:
+        for chunk in itertools.cycle(chunks):
+            yield len([transform(decode(s.data)) for s in chunk])
+
+    def device_share() -> Iterator[int]:
+        for part, names in itertools.cycle(zip(parts, keys, strict=True)):
+            yield len(decoder(part, names))  # returns once the batch is on the device, finished
+
+    def worker_share() -> Iterator[int]:
+        for chunk in itertools.cycle(chunks):
+            yield len(encode_part(chunk, transform))
+
+    rows = [
+        Row("CPU path: PIL decode + augment (1 process)", 0, cpu_path),
+        Row(f"decode=gpu, training process: decode_jpeg + crop/resize/flip on {device}", 0, device_share),
+        Row("decode=gpu, loader worker: headers + crop draws + packing (1 process)", 0, worker_share),
+    ]
+    load_before = os.getloadavg()[0]
+    run_interleaved(rows, args.rounds, max(2, args.batches // 2))
+    load_after = os.getloadavg()[0]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (the device path, not a GPU)"
+    print(
+        f"\nGPU rows on {name}: batches of {n} ({len(chunks)} distinct), decode_batch {args.decode_batch}, "
+        f"{args.crop}px crops; interleaved, {len(rows[0].images)} batches each; load average "
+        f"{load_before:.1f} -> {load_after:.1f}; CPU ms/image = host CPU time of this process"
+    )
+    print("| pipeline | images/s | vs CPU path | vs CPU path, paired: median [quartiles] | CPU ms/image |")
+    print("|---|---|---|---|---|")
+    base = rows[0]
+    for row in rows:
+        q1, q2, q3 = quartiles(row.paired(base))
+        print(
+            f"| {row.name} | {row.rate():.0f} | {row.rate() / base.rate():.2f}x "
+            f"| {q2:.2f}x [{q1:.2f}-{q3:.2f}] | {1000 * row.cpu_per_image():.3f} |"
+        )
+    gpu, worker = rows[1].rate(), rows[2].rate()
+    line = (
+        f"\ndecode=gpu, training process: {gpu:.0f} images/s = {gpu / base.rate():.1f}x the CPU path in "
+        "one process"
+    )
+    if raw_workers_rate:
+        line += (
+            f", {gpu / raw_workers_rate:.1f}x the raw CPU decode + augment in {args.workers} workers above"
+        )
+    print(
+        line + f"; a loader worker's share runs at {worker:.0f} images/s a process (plus tar reading and "
+        f"sampling), so {math.ceil(gpu / worker)} loader worker(s) keep up"
+    )
+    if decoder.fallbacks:
+        print(f"({decoder.fallbacks} images fell back to PIL in the training process)")
 
 
 def to_sample(d: dict) -> Sample:
@@ -368,6 +465,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers for the parallel rows")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--crop", type=int, default=224)
+    parser.add_argument("--gpu-batch", type=int, default=512, help="batch of the GPU rows (decode=gpu)")
+    parser.add_argument("--decode-batch", type=int, default=512, help="images per decode_jpeg call")
+    parser.add_argument(
+        "--decode-device",
+        default=None,
+        help="device of the GPU rows (default: cuda if present, else skipped)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.height, args.width = 256, 320
@@ -377,7 +481,8 @@ def main() -> None:
         tmp = Path(tmp_dir)
         paths = make_images(tmp / "src", classes, per_class, (args.height, args.width))
         prepare("folder", str(tmp / "src"), tmp / "shards", shard_size=64, progress=False)
-        raw_cpu = throughput_table(args, tmp, paths)
+        raw_cpu, raw_workers_rate = throughput_table(args, tmp, paths)
+        device_table(args, paths, raw_workers_rate)
         reader_table(tmp, raw_cpu, repeats=3 if args.quick else 5)
 
 

@@ -9,7 +9,9 @@ heuristic (Sec. 4.1) still gets the exact gradient, because the loss only sees t
 2. all-gather embeddings and labels from every rank (local batches may differ in size);
 3. score the LOCAL queries against the GLOBAL gallery, normalise by the loss's GLOBAL count and take the
    gradient with respect to the whole gathered matrix; sum that matrix gradient over ranks (every rank
-   contributes to every row) and keep the local rows: this is exactly dL/dE_local of the global batch;
+   contributes to every row) and keep the local rows: this is exactly dL/dE_local of the global batch.
+   A loss whose gallery is a constant for the gradient (`gallery_is_constant`, e.g. RLL's paper form)
+   only moves its queries, so the local rows' gradient is complete on its own rank and the sum is skipped;
 4. re-run the other chunks with autograd, replaying their RNG state, and back-propagate each chunk's
    slice of dL/dE;
 5. make every rank hold the SUM of the per-rank parameter gradients, reduced exactly once per step.
@@ -99,6 +101,8 @@ def chunked_backward(
     freeze_bn: bool = True,
     autocast_dtype: torch.dtype | None = None,
     skip_nonfinite: bool = False,
+    channels_last: bool = False,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> Tensor:
     """Accumulate into `.grad` the exact gradient of the global-batch loss; return that loss (detached).
 
@@ -116,6 +120,8 @@ def chunked_backward(
         freeze_bn=freeze_bn,
         autocast_dtype=autocast_dtype,
         skip_nonfinite=skip_nonfinite,
+        channels_last=channels_last,
+        grad_scaler=grad_scaler,
     ).loss
 
 
@@ -130,6 +136,8 @@ def global_batch_step(
     freeze_bn: bool = True,
     autocast_dtype: torch.dtype | None = None,
     skip_nonfinite: bool = False,
+    channels_last: bool = False,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> StepResult:
     """One global-batch forward/backward in chunks of at most `chunk_size` local samples.
 
@@ -145,14 +153,23 @@ def global_batch_step(
         training-mode BatchNorm normalises each chunk with that chunk's own statistics (so results depend
         on chunk_size) and its running statistics are updated once per chunk, by the first pass only.
     autocast_dtype: e.g. torch.bfloat16 to run the model under autocast (the loss stays in float32);
-        None runs in the model's own precision. `default_autocast_dtype(device)` picks a sensible value.
+        None runs in the model's own precision. `dmltrain.acceleration.resolve_precision` picks one.
     skip_nonfinite: if the gathered embeddings or their loss gradient hold NaN/inf, return a NaN loss and
         add nothing to `.grad` on any rank (so a trainer can skip the update) instead of raising
         FloatingPointError. Either way no NaN reaches the parameter gradients.
+    channels_last: hand every preprocessed 4-D chunk to the model in channels_last memory format (for a
+        model converted with ``model.to(memory_format=torch.channels_last)``; same values, faster convs).
+    grad_scaler: for fp16 autocast: the network's backward is fed ``scale x dL/dE``, so `.grad` holds the
+        scaled gradient; the caller unscales and steps through the scaler (``unscale_``, ``step``,
+        ``update``), which skips the update when the scaled gradients overflowed.
 
     Gradients accumulate into `.grad` as `backward()` does (existing values must agree across ranks under
     DDP, which averages them). Bad arguments on any rank make every rank raise, instead of hanging in a
     collective. Parameters of `loss_fn` itself, if it has any, receive no gradient.
+
+    A network compiled in place (`dmltrain.acceleration.compile_network`, before any DDP wrapping) works
+    unchanged: the engine only calls the module, and its RNG replay, no_sync and DDP handling act on the
+    uncompiled wrapper.
     """
     start = time.perf_counter()
     ddp = model if isinstance(model, DistributedDataParallel) else None
@@ -186,7 +203,7 @@ def global_batch_step(
     grad_scale = float(world) if ddp is not None else 1.0
 
     with _batchnorm_frozen(net, freeze_bn):
-        load = _ChunkLoader(inputs, device, preprocess)
+        load = _ChunkLoader(inputs, device, preprocess, channels_last)
         if one_pass:
             with torch.enable_grad(), _autocast(device, autocast_dtype):
                 out = (ddp or net)(load(0, local_n))
@@ -204,6 +221,8 @@ def global_batch_step(
                 raise FloatingPointError(problem)
         else:
             stashed = _stash_grads(params) if reduce_manually else None
+            if grad_scaler is not None:
+                grad = grad_scaler.scale(grad)
             if one_pass:
                 out.backward(grad.to(out.dtype))
             else:
@@ -295,9 +314,18 @@ def _embedding_gradient(
         problem = f"non-finite embeddings from rank(s) {owners}: the model output has NaN/inf"
         return None, (float("nan"), 0.0, float(len(gallery)), 0.0), problem
 
+    # A loss whose gallery is constant for the gradient moves only its queries: differentiate with respect
+    # to the local rows alone (no gathered-matrix gradient, no cross-rank sum of it).
+    constant_gallery = bool(getattr(loss_fn, "gallery_is_constant", False))
     with torch.enable_grad():
-        ref = gallery.detach().requires_grad_(True)
-        queries = ref[offset : offset + n]
+        ref = gallery.detach()
+        if constant_gallery:
+            queries = ref[offset : offset + n].detach().requires_grad_(True)
+            wrt = queries
+        else:
+            ref.requires_grad_(True)
+            queries = ref[offset : offset + n]
+            wrt = ref
         has_parts = callable(getattr(loss_fn, "parts", None))
         if has_parts:
             query_index = torch.arange(offset, offset + n, device=ref.device)
@@ -329,16 +357,24 @@ def _embedding_gradient(
             objective = objective * grad_scale
         grad = None
         if objective.requires_grad:
-            (grad,) = torch.autograd.grad(objective, ref, allow_unused=True)
+            (grad,) = torch.autograd.grad(objective, wrt, allow_unused=True)
         if grad is None:  # no term depended on the embeddings: the exact gradient is zero
-            grad = torch.zeros_like(ref)
-    with clock:
-        all_reduce_sum_(grad)
+            grad = torch.zeros_like(wrt)
+    if constant_gallery:
+        # No (B_global x D) all-reduce; one flag keeps the finiteness decision the same on every rank.
+        bad = torch.tensor(0.0 if bool(torch.isfinite(grad).all()) else 1.0, device=grad.device)
+        with clock:
+            all_reduce_sum_(bad)
+        finite, local = float(bad) == 0.0, grad
+    else:
+        with clock:
+            all_reduce_sum_(grad)
+        finite, local = bool(torch.isfinite(grad).all()), grad[offset : offset + n]
     g_total, g_count, g_queries, g_valid = (float(v) for v in stats.tolist())
-    if not torch.isfinite(grad).all():
+    if not finite:
         problem = f"{type(loss_fn).__name__} produced a non-finite embedding gradient"
         return None, (float("nan"), g_count, g_queries, g_valid), problem
-    return grad[offset : offset + n], (g_total, g_count, g_queries, g_valid), None
+    return local, (g_total, g_count, g_queries, g_valid), None
 
 
 def _backward_chunks(
@@ -379,16 +415,24 @@ def _backward_chunks(
 
 
 class _ChunkLoader:
-    """Moves one chunk of the (possibly host-side, uint8) batch to the device and preprocesses it."""
+    """Moves one chunk of the (possibly host-side, uint8) batch to the device and preprocesses it.
 
-    def __init__(self, inputs: Tensor, device: torch.device, preprocess: Preprocess | None) -> None:
+    From pinned host memory the copy is asynchronous: the host goes on queueing the chunk's compute.
+    """
+
+    def __init__(
+        self, inputs: Tensor, device: torch.device, preprocess: Preprocess | None, channels_last: bool = False
+    ) -> None:
         self.inputs, self.device, self.preprocess = inputs, device, preprocess
+        self.channels_last = channels_last
 
     def __call__(self, start: int, end: int) -> Tensor:
         x = self.inputs[start:end].to(self.device, non_blocking=True)
         if self.preprocess is not None:
             with torch.no_grad():
                 x = self.preprocess(x)
+        if self.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
         return x
 
 

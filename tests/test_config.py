@@ -140,3 +140,180 @@ def test_launch_resolves_only_relative_local_paths(
     base = str(tmp_path.resolve())
     assert resolved.data.root == expected_root.format(base=base)
     assert resolved.run.storage_path == expected_storage.format(base=base)
+
+
+@pytest.mark.parametrize(
+    ("name", "paper", "batch", "classes"),
+    [("sop_smoothap_b16k", "sop_smoothap", 16384, 11318), ("inat_smoothap_b8k", "inat_smoothap", 8192, 5690)],
+)
+def test_large_batch_configs_keep_the_method_and_state_their_memory(
+    name: str, paper: str, batch: int, classes: int
+) -> None:
+    """Only the batch (and what follows from it) differs from the paper config; the file says its memory."""
+    path = CONFIGS[0].parent / f"{name}.yaml"
+    big, base = load_config(path), load_config(path.parent / f"{paper}.yaml")
+    assert big.train.global_batch_size == batch and big.train.chunk_size == 256
+    assert big.local_batch_size == batch // 8 and big.local_batch_size % big.train.chunk_size == 0
+    assert batch // big.sampler.samples_per_class <= classes  # classes per step the data set has
+    # the same number of images seen as the paper config
+    assert big.train.steps * batch == base.train.steps * base.train.global_batch_size
+    for section in ("model", "loss", "optim"):
+        assert getattr(big, section) == getattr(base, section), section
+    assert big.data.resize_mode == base.data.resize_mode and big.data.crop_scale == base.data.crop_scale
+    if base.sampler.name == "pk":
+        assert big.sampler == base.sampler
+    else:  # SOP's category pairs cannot hold half of 16,384 images: P x K at the paper's |P| = 4
+        assert big.sampler.name == "pk" and big.sampler.samples_per_class == 4
+    assert (big.train.precision, big.train.compile, big.train.channels_last) == ("auto", "auto", "auto")
+    header = path.read_text().split("\ndata:")[0]
+    assert "Memory per GPU" in header and "10.7 GB" in header and "total: about" in header
+
+
+def test_precision_compile_and_memory_keys_validate(tmp_path: Path) -> None:
+    path = _write(tmp_path, lambda raw: None)
+    config = load_config(
+        path,
+        [
+            "train.precision=fp16",
+            "train.compile=false",
+            "train.channels_last=true",
+            "loss.saved_budget_mb=512",
+        ],
+    )
+    assert (config.train.precision, config.train.compile, config.train.channels_last) == ("fp16", False, True)
+    assert config.loss.saved_budget_mb == 512 and config.loss.memory_budget_mb is None
+    for bad, key in (
+        ("train.precision=fp8", "train.precision"),
+        ("train.compile=sometimes", "train.compile"),
+        ("loss.memory_budget_mb=0", "loss.memory_budget_mb"),
+    ):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(path, [bad])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the paper set-ups, checked against the papers (sections cited in each file's comments)
+
+
+def _paper(name: str):
+    return load_config(CONFIGS[0].parent / f"{name}.yaml")
+
+
+def test_paper_configs_warp_images_to_256_then_crop_224() -> None:
+    """FastAP 5.1, Smooth-AP 5.3 and RLL 4.1.2 all warp every image to 256 x 256 (train and test)."""
+    for name in PAPER_SETUPS - {"quickstart", "sop_triplet"}:
+        data = _paper(name).data
+        assert (data.resize_mode, data.resize, data.image_size) == ("warp", 256, 224), name
+
+
+def test_smoothap_configs_follow_section_5_3_and_supplement_11() -> None:
+    for name in ("sop_smoothap", "inat_smoothap", "vehicleid_smoothap"):
+        c = _paper(name)
+        assert (c.loss.temperature, c.optim.name, c.optim.lr, c.optim.weight_decay) == (
+            0.01,
+            "adam",
+            1e-5,
+            4e-5,
+        )
+        assert (c.model.backbone, c.model.embedding_dim) == ("resnet50", 512), name
+    assert _paper("sop_smoothap").sampler.name == "hard"  # hard negative mining on SOP only (5.3)
+    assert _paper("inat_smoothap").sampler.name == _paper("vehicleid_smoothap").sampler.name == "pk"
+    assert _paper("inat_smoothap").optim.embedding_lr_mult == 2.0  # supplement 11
+    assert _paper("sop_smoothap").optim.embedding_lr_mult == 1.0  # none given
+    assert _paper("vehicleid_smoothap").optim.embedding_lr_mult == 1.0
+
+
+def test_fastap_configs_follow_section_5_1_and_supplement_a() -> None:
+    for name, sampler, per_pair in (
+        ("sop_fastap", "hard", 5),
+        ("inshop_fastap", "hard", 2),
+        ("vehicleid_fastap", "vehicleid", None),
+    ):
+        c = _paper(name)
+        assert (c.optim.name, c.optim.lr, c.optim.weight_decay, c.optim.embedding_lr_mult) == (
+            "adam",
+            1e-5,
+            0.0,
+            10.0,
+        )
+        assert (c.loss.num_bins, c.model.embedding_dim, c.sampler.name) == (10, 512, sampler), name
+        assert c.sampler.batches_per_pair == per_pair, name
+
+
+def test_rll_configs_follow_section_4_1() -> None:
+    expected = {  # name: (embedding size, BatchNorm frozen, C x K batch)
+        "sop_rll": (128, False, 180),  # Table V; 4.1.3; 4.1.6
+        "inshop_rll": (128, False, 66),  # Table II
+        "cub_rll": (64, True, 66),  # Table IV
+        "cars_rll": (64, True, 66),  # Table III
+    }
+    for name, (dim, frozen, batch) in expected.items():
+        c = _paper(name)
+        assert (c.model.embedding_dim, c.model.freeze_bn, c.train.global_batch_size) == (
+            dim,
+            frozen,
+            batch,
+        ), name
+        assert (c.sampler.name, c.sampler.samples_per_class, c.data.crop_scale) == ("pk", 3, (0.5, 1.0)), name
+        assert (c.optim.name, c.optim.lr, c.optim.momentum, c.optim.weight_decay) == ("sgd", 1e-2, 0.9, 2e-5)
+        assert (c.loss.margin, c.loss.alpha, c.loss.tn, c.loss.tp, c.loss.lam) == (0.4, None, 10.0, 0.0, 0.5)
+        assert c.loss.gradient == "query", name  # Sec. 3.2: the other features are constants
+        if not frozen:  # live BatchNorm: the whole batch in one chunk on one worker, as on the paper's GPU
+            assert c.scaling.num_workers == 1 and c.train.chunk_size >= batch, name
+
+
+def test_config_comments_agree_with_chunk_size() -> None:
+    """A comment such as 'chunking 128' must not contradict the chunk_size the file sets."""
+    import re
+
+    for path in CONFIGS:
+        config = load_config(path)
+        for claim in re.findall(r"chunking (?:its )?(\d+)", path.read_text()):
+            assert int(claim) in (config.train.chunk_size, config.local_batch_size), (path.name, claim)
+
+
+def test_triplet_config_runs_whole_triplets_and_scores_the_sampled_ones(tmp_path: Path) -> None:
+    c = _paper("sop_triplet")
+    assert c.sampler.name == "triplet" and c.local_batch_size % 3 == 0
+    assert c.loss.triplets == "sampled"
+    path = _write(tmp_path, lambda raw: raw.update(loss={"name": "triplet"}))  # quickstart's pk sampler
+    with pytest.raises(ConfigError, match="loss.triplets=sampled .* sampler.name is 'pk'"):
+        load_config(path)
+    assert load_config(path, ["loss.triplets=all"]).loss.triplets == "all"
+    with pytest.raises(ConfigError, match=r"multiple of 3") as error:
+        load_config(path, ["sampler.name=triplet"])  # 128 / 2 workers = 64 per worker
+    assert "got {" not in str(error.value)  # one readable line, not the whole config echoed back
+    assert load_config(path, ["sampler.name=triplet", "train.global_batch_size=126"]).local_batch_size == 63
+
+
+def test_rll_gradient_and_resize_mode_keys_are_validated(tmp_path: Path) -> None:
+    path = _write(tmp_path, lambda raw: raw.update(loss={"name": "rll", "gradient": "query"}))
+    assert load_config(path).loss.gradient == "query"
+    with pytest.raises(ConfigError, match=r"loss\.rll\.gradient|loss\.gradient"):
+        load_config(path, ["loss.gradient=gallery"])
+    with pytest.raises(ConfigError, match=r"data\.resize_mode"):
+        load_config(path, ["data.resize_mode=stretch"])
+
+
+def test_live_batchnorm_is_announced_once_when_it_breaks_the_exact_gradient() -> None:
+    from dmltrain.service.run import batchnorm_note
+
+    quick = load_config(CONFIGS[0].parent / "quickstart.yaml")
+    note = batchnorm_note(quick)
+    assert note is not None and "model.freeze_bn=false" in note and "not the exact" in note
+    assert (
+        batchnorm_note(load_config(CONFIGS[0].parent / "quickstart.yaml", ["model.freeze_bn=true"])) is None
+    )
+    assert batchnorm_note(_paper("sop_rll")) is None  # one worker, one chunk: BN sees the whole batch
+    assert batchnorm_note(_paper("sop_rll").model_copy(update={"scaling": quick.scaling})) is not None
+
+
+def test_loss_options_reach_the_loss_objects() -> None:
+    from dmltrain.service.builders import build_loss
+
+    rll = build_loss(_paper("sop_rll").loss)
+    triplet = build_loss(_paper("sop_triplet").loss)
+    assert rll.gradient == "query" and rll.gallery_is_constant
+    assert triplet.triplets == "sampled" and triplet.margin == 0.2
+    quick = load_config(CONFIGS[0].parent / "quickstart.yaml", ["loss={name: rll}"])
+    assert build_loss(quick.loss).gradient == "both"

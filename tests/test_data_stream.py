@@ -15,9 +15,9 @@ from PIL import Image
 from dmltrain.data import EvalLoader, SamplerSpec, TrainLoader, prepare, train_transform
 from dmltrain.data import test_transform as eval_transform
 from dmltrain.data.metadata import load_dataset_info
+from dmltrain.data.plan import check_enough_shards
 from dmltrain.data.sampling import split_group
-from dmltrain.data.shards import Sample
-from dmltrain.data.stream import check_enough_shards
+from dmltrain.data.shards import Sample, read_shard
 
 CATEGORIES = 6
 CLASSES_PER_CATEGORY = 6
@@ -69,19 +69,31 @@ def run(train_loader: TrainLoader, steps: int) -> list[tuple]:
 def test_ranks_and_workers_read_disjoint_shards_with_equal_steps(shards: Path) -> None:
     loaders = [loader(shards, "pk", rank=r) for r in range(2)]
     assert loaders[0].steps_per_epoch == loaders[1].steps_per_epoch > 0
+    member_of = {}  # sample key -> shard index
+    info = load_dataset_info(shards)
+    for i, url in enumerate(info.shard_urls(shards, "train")):
+        member_of.update({s.key: i for s in read_shard(url)})
     seen: dict[tuple[int, int], set[str]] = {}
     for r, train_loader in enumerate(loaders):
+        parts = train_loader.plan.parts
+        assert parts is not None and sum(parts[2 * r : 2 * r + 2]) == 16 and min(parts) > 0
         batches = list(train_loader)  # one epoch
         assert len(batches) == train_loader.steps_per_epoch
-        for step, (images, labels, categories, keys) in enumerate(batches):
+        for images, labels, categories, keys in batches:
             assert images.shape == (16, 3, 16, 16) and images.dtype == torch.uint8
             assert labels.dtype == categories.dtype == torch.int64
-            seen.setdefault((r, step % 2), set()).update(keys)
+            # Every worker of the rank contributed its part, in worker order.
+            seen.setdefault((r, 0), set()).update(keys[: parts[2 * r]])
+            seen.setdefault((r, 1), set()).update(keys[parts[2 * r] :])
     consumers = list(seen)
     assert len(consumers) == 4
     for i, a in enumerate(consumers):
         for b in consumers[i + 1 :]:
             assert not seen[a] & seen[b], f"consumers {a} and {b} share samples"
+    for (r, w), keys in seen.items():  # shard i goes to rank i mod 2, then to the rank's workers in turn
+        shards_read = {member_of[k] for k in keys}
+        assert shards_read <= set(range(len(member_of)))
+        assert {i % 2 for i in shards_read} == {r} and {(i // 2) % 2 for i in shards_read} == {w}
 
 
 def test_too_few_shards_fails_early_with_a_clear_message(shards: Path) -> None:
@@ -135,7 +147,8 @@ def test_triplet_batches(shards: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "name,workers", [("pk", 2), ("hard", 0), ("triplet", 0), ("vehicleid", 0), ("random", 0)]
+    "name,workers",
+    [("pk", 2), ("hard", 0), ("hard", 2), ("triplet", 0), ("vehicleid", 0), ("random", 0), ("random", 2)],
 )
 def test_resume_continues_the_stream_exactly(shards: Path, tmp_path: Path, name: str, workers: int) -> None:
     batch = 15 if name == "triplet" else 16

@@ -61,16 +61,24 @@ LOSSES: dict[str, tuple[Callable[[], nn.Module], float]] = {
     "fastap": (FastAPLoss, 1e-8),
     "smoothap": (SmoothAPLoss, 1e-8),
     "rll": (RankedListLoss, 1e-8),
+    "rll-query": (lambda: RankedListLoss(gradient="query"), 1e-8),  # paper Sec. 3.2: no gradient all-reduce
     "triplet": (TripletLoss, 1e-8),
+    "triplet-sampled": (lambda: TripletLoss(triplets="sampled"), 1e-8),
 }
 
 
 def make_batch(size: int, seed: int, side: int = 16) -> tuple[Tensor, Tensor]:
-    """uint8 images and labels in classes of 1-4 members (some queries have no positive)."""
+    """uint8 images and labels in random classes (some queries have no positive) that are also laid out as
+    the triplet sampler's [q, p, n] triplets (rows 3i, 3i + 1 share a label, row 3i + 2 differs), so every
+    loss, the sampled triplet loss included, can score the same batches."""
     g = torch.Generator().manual_seed(seed)
     images = torch.randint(0, 256, (size, 3, side, side), dtype=torch.uint8, generator=g)
-    labels = torch.randint(0, max(size // 3, 2), (size,), generator=g) + 1000  # arbitrary label values
-    return images, labels
+    classes = max(size // 3, 2)
+    labels = torch.randint(0, classes, (size,), generator=g)
+    labels[1::3] = labels[0::3][: labels[1::3].numel()]
+    shift = torch.randint(1, classes, (labels[2::3].numel(),), generator=g)
+    labels[2::3] = (labels[0::3][: shift.numel()] + shift) % classes
+    return images, labels + 1000  # arbitrary label values
 
 
 def grads_of(model: nn.Module) -> dict[str, Tensor]:
@@ -127,7 +135,7 @@ def frozen_bn(model: nn.Module) -> nn.Module:
 def test_chunked_gradient_equals_whole_batch_gradient(loss_name: str, chunk_size: int) -> None:
     make_loss, rtol = LOSSES[loss_name]
     loss_fn = make_loss()
-    images, labels = make_batch(20, seed=1)
+    images, labels = make_batch(21, seed=1)
     model = make_model(seed=2)
     want_loss, want = reference_step(frozen_bn(model), loss_fn, images, labels)
 
@@ -135,9 +143,9 @@ def test_chunked_gradient_equals_whole_batch_gradient(loss_name: str, chunk_size
 
     assert_grads_close(grads_of(model), want, rtol)
     assert math.isclose(result.loss.item(), want_loss.item(), rel_tol=max(rtol, 1e-6))
-    assert result.num_chunks == math.ceil(20 / chunk_size)
-    assert (result.global_batch_size, result.local_batch_size, result.world_size) == (20, 20, 1)
-    assert result.num_queries == 20
+    assert result.num_chunks == math.ceil(21 / chunk_size)
+    assert (result.global_batch_size, result.local_batch_size, result.world_size) == (21, 21, 1)
+    assert result.num_queries == 21
     assert result.comm_seconds == 0.0 and result.compute_seconds > 0.0
     assert model.training and model.bn.training, "frozen BatchNorm must be put back in training mode"
 
@@ -332,3 +340,22 @@ def test_distributed_helpers_without_a_process_group() -> None:
     p.grad = torch.full((2,), 3.0)
     distributed.sum_gradients_([p])
     assert torch.equal(p.grad, torch.full((2,), 3.0))
+
+
+@pytest.mark.parametrize(("loss_name", "reduces_gradient"), [("rll", True), ("rll-query", False)])
+def test_constant_gallery_loss_skips_the_gradient_all_reduce(
+    loss_name: str, reduces_gradient: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RLL's paper form moves only the queries: no (B x D) gradient goes through the cross-rank sum."""
+    reduced: list[tuple[int, ...]] = []
+    real = engine.all_reduce_sum_
+
+    def spy(x: Tensor) -> Tensor:
+        reduced.append(tuple(x.shape))
+        return real(x)
+
+    monkeypatch.setattr(engine, "all_reduce_sum_", spy)
+    images, labels = make_batch(12, seed=4)
+    global_batch_step(make_model(), images, labels, LOSSES[loss_name][0](), 5, preprocess=preprocess)
+    assert ((12, 8) in reduced) is reduces_gradient
+    assert all(len(shape) <= 1 for shape in reduced if shape != (12, 8))

@@ -28,6 +28,7 @@ from test_engine import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from dmltrain.acceleration import compile_network
 from dmltrain.distributed import all_gather_sizes, all_gather_uneven, get_rank, get_world_size
 from dmltrain.engine import global_batch_step
 from dmltrain.losses import SmoothAPLoss
@@ -40,7 +41,12 @@ SCENARIOS: dict[str, tuple[bool, int, bool, bool]] = {
     "ddp-one-pass": (True, 16, True, False),
     "ddp-chunked-unused-param": (True, 4, True, True),
     "ddp-chunked-bn-training": (True, 4, False, False),
+    "ddp-chunked-compiled": (True, 4, True, False),
 }
+# The network compiled in place before DDP wraps it (as the service does). aot_eager runs dynamo's capture
+# and AOTAutograd's compiled backward, the parts that meet DDP's hooks, no_sync and the RNG replay, without
+# inductor's C++ code generation (about 30 s per process here; inductor is checked in test_acceleration.py).
+COMPILED = {"ddp-chunked-compiled"}
 BATCH_SEED = 21
 # Every loss in the chunked scenarios (the LossParts normalisation is per loss); one loss elsewhere.
 ALL_LOSSES = {"plain-chunked", "ddp-chunked"}
@@ -79,6 +85,8 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], out_dir: str) ->
         for scenario, (use_ddp, chunk, freeze_bn, unused) in SCENARIOS.items():
             for loss_name, (make_loss, _) in _losses_for(scenario).items():
                 model = make_model(seed=2, unused=unused)
+                if scenario in COMPILED:
+                    compile_network(model, backend="aot_eager")
                 wrapped = DistributedDataParallel(model, find_unused_parameters=unused) if use_ddp else model
                 steps = []
                 for _ in range(2):  # the second step accumulates, as a plain backward would

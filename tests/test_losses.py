@@ -2,7 +2,8 @@
 
 References (below) follow: FastAP paper Eq. 14 with supplement C.1 soft binning (L+1 centres, width 4/L);
 Smooth-AP Eq. 5-7 (query excluded from its retrieval and positive sets); RLL Eq. 8-14 with detached
-weights; Deep Ranking Eq. 1 averaged over active triplets. They loop over queries and items one scalar at
+weights (and, for the Sec. 3.2 form, detached gallery features); Deep Ranking Eq. 1 averaged over active
+triplets, and Eq. 8 over the sampled triplets. They loop over queries and items one scalar at
 a time so that they share no code or vectorisation trick with dmltrain.losses.
 """
 
@@ -110,6 +111,19 @@ def ref_triplet(x, y, r, ry, self_rows, margin):
                 if hinge.item() > 0:
                     total, count = total + hinge, count + 1
     return total, count
+
+
+def ref_sampled_triplet(x, r, self_rows, margin):
+    """Deep Ranking Eq. 8 over the sampled triplets (rows 3i, 3i+1, 3i+2 of r) whose anchor is a query,
+    divided by their number."""
+    total, count = x.sum() * 0.0, 0
+    for q in range(x.shape[0]):
+        row = self_rows[q]
+        if row % 3 == 0:
+            d_ap = sum((x[q, k] - r[row + 1, k]) ** 2 for k in range(x.shape[1]))
+            d_an = sum((x[q, k] - r[row + 2, k]) ** 2 for k in range(x.shape[1]))
+            total, count = total + torch.clamp(margin + d_ap - d_an, min=0.0), count + 1
+    return total / max(count, 1)
 
 
 def ref_mean(kind, params, x, y, r=None, ry=None, self_rows=None):
@@ -326,6 +340,123 @@ def test_fastap_and_triplet_agree_with_pytorch_metric_learning():
 
 
 # --------------------------------------------------------------------------------------------------------
+# the paper forms: sampled triplets (Deep Ranking Eq. 8) and RLL with constant gallery features (Sec. 3.2)
+# --------------------------------------------------------------------------------------------------------
+
+
+def triplet_batch(seed: int, triplets: int = 7, dim: int = 6, dtype=torch.float64):
+    """[q, p, n] rows as the triplet sampler emits them; classes repeat across triplets (so the in-batch
+    "all" form sees many more triplets than were sampled)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 4, (triplets,), generator=g)
+    n = (q + torch.randint(1, 4, (triplets,), generator=g)) % 4
+    labels = torch.stack([q, q, n], dim=1).flatten() * 11 - 5
+    centres = torch.randn(4, dim, generator=g, dtype=torch.float64)
+    x = centres[(labels + 5) // 11] + 0.8 * torch.randn(labels.numel(), dim, generator=g, dtype=torch.float64)
+    return F.normalize(x, dim=1).to(dtype), labels
+
+
+@pytest.mark.parametrize("margin", [0.2, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sampled_triplets_match_eq8_reference(margin, dtype):
+    x, y = triplet_batch(seed=30, dtype=dtype)
+    ref_x = x.double().clone().requires_grad_(True)
+    expected = ref_sampled_triplet(ref_x, ref_x, list(range(x.shape[0])), margin)
+    expected.backward()
+    loss_fn = TripletLoss(margin=margin, triplets="sampled")
+    value, grad = loss_and_grad(loss_fn, x, y)
+    tol = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    assert value.dtype == dtype
+    assert value.item() == pytest.approx(expected.item(), rel=tol["rtol"], abs=tol["atol"])
+    assert ref_x.grad.abs().max() > 0
+    torch.testing.assert_close(grad.double(), ref_x.grad, rtol=10 * tol["rtol"], atol=10 * tol["atol"])
+    # the sampled form is not the all-triplets form on the same batch: the sampler's choices matter
+    assert abs(TripletLoss(margin=margin)(x, y).item() - value.item()) > 1e-3
+    parts = loss_fn.parts(x, y)
+    assert parts.count.item() == x.shape[0] // 3 and parts.num_queries == x.shape[0]
+    terms = loss_fn(x, y, reduction="none")
+    assert torch.all(terms[1::3] == 0) and torch.all(terms[2::3] == 0)
+    assert parts.num_valid == int((terms[0::3] > 0).sum()) > 0
+
+
+def test_sampled_triplets_with_a_gallery_and_row_split_match_the_whole_batch():
+    """Queries are any rows of the (global) batch; a split may cut triplets, as uneven ranks do."""
+    x, y = triplet_batch(seed=31, triplets=8)
+    loss_fn = TripletLoss(margin=0.3, triplets="sampled")
+    whole, whole_grad = loss_and_grad(loss_fn, x, y)
+    for idx in (torch.arange(0, 7), torch.tensor([23, 4, 9, 0, 13])):
+        q = x[idx].clone().requires_grad_(True)
+        r = x.clone().requires_grad_(True)
+        ours = loss_fn(q, y[idx], ref_embeddings=r, ref_labels=y, query_index=idx)
+        ours.backward()
+        q2, r2 = x[idx].clone().requires_grad_(True), x.clone().requires_grad_(True)
+        expected = ref_sampled_triplet(q2, r2, idx.tolist(), 0.3)
+        expected.backward()
+        assert ours.item() == pytest.approx(expected.item(), rel=1e-10, abs=1e-12)
+        torch.testing.assert_close(q.grad, q2.grad, rtol=1e-8, atol=1e-12)
+        torch.testing.assert_close(r.grad, r2.grad, rtol=1e-8, atol=1e-12)
+    xr = x.clone().requires_grad_(True)
+    halves = (torch.arange(0, 11), torch.arange(11, 24))  # row 9's triplet straddles the split
+    parts = [loss_fn.parts(xr[h], y[h], ref_embeddings=xr, ref_labels=y, query_index=h) for h in halves]
+    split = sum(p.total for p in parts) / sum(p.count for p in parts)
+    split.backward()
+    torch.testing.assert_close(split.detach(), whole, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(xr.grad, whole_grad, rtol=1e-10, atol=1e-14)
+
+
+def test_sampled_triplets_gradcheck_float64():
+    x, y = triplet_batch(seed=32, triplets=4, dim=4)
+    loss_fn = TripletLoss(margin=0.5, triplets="sampled")
+    x = x.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda e: loss_fn(e, y), (x,), eps=1e-6, atol=1e-6)
+
+
+def test_sampled_triplets_refuse_batches_not_in_the_sampler_layout():
+    x, y = triplet_batch(seed=33)
+    loss_fn = TripletLoss(triplets="sampled")
+    with pytest.raises(ValueError, match="not a multiple of 3"):
+        loss_fn(x[:-1], y[:-1])
+    broken = y.clone()
+    broken[4] = broken[3] + 1  # the positive of triplet 1 is not of the query's class
+    with pytest.raises(ValueError, match=r"rows 3\.\.5 are not a \(query, positive, negative\) triplet"):
+        loss_fn(x, broken)
+    same = y.clone()
+    same[2] = same[0]  # a "negative" of the query's class
+    with pytest.raises(ValueError, match="rows 0..2"):
+        loss_fn(x, same)
+    with pytest.raises(ValueError, match="needs query_index"):
+        loss_fn(x[:3], y[:3], ref_embeddings=x, ref_labels=y)
+    with pytest.raises(ValueError, match="triplets must be one of"):
+        TripletLoss(triplets="hard")
+
+
+def test_rll_query_gradient_is_the_paper_form_with_constant_gallery_features():
+    """Sec. 3.2: in x_i's ranked list the other features are constants; only f(x_i) moves."""
+    params = {"margin": 0.4, "alpha": None, "tn": 10.0, "tp": 0.0, "lam": 0.5}
+    x, y = unequal_batch(seed=34)
+    ref_x = x.clone().requires_grad_(True)
+    terms = ref_rll_terms(ref_x, y.tolist(), ref_x.detach(), y.tolist(), list(range(len(y))), **params)
+    expected = sum(terms) / len(terms)
+    expected.backward()
+    loss_fn = RankedListLoss(**params, gradient="query")
+    value, grad = loss_and_grad(loss_fn, x, y)
+    assert value.item() == pytest.approx(expected.item(), rel=1e-12)
+    torch.testing.assert_close(grad, ref_x.grad, rtol=1e-8, atol=1e-12)
+    # same value as the default form, different gradient (the default also moves the gallery items)
+    both_value, both_grad = loss_and_grad(RankedListLoss(**params), x, y)
+    assert both_value.item() == pytest.approx(value.item(), rel=1e-12)
+    assert (both_grad - grad).abs().max() > 1e-3
+    # with an explicit gallery the gallery gets no gradient at all; the queries still do
+    q = x[:5].clone().requires_grad_(True)
+    r = x.clone().requires_grad_(True)
+    loss_fn(q, y[:5], ref_embeddings=r, ref_labels=y, query_index=torch.arange(5)).backward()
+    assert r.grad is None and torch.count_nonzero(q.grad.abs().sum(1)) == 5
+    assert loss_fn.gallery_is_constant and not RankedListLoss().gallery_is_constant
+    with pytest.raises(ValueError, match="gradient must be one of"):
+        RankedListLoss(gradient="gallery")
+
+
+# --------------------------------------------------------------------------------------------------------
 # the distributed contract: row split, parts, reductions
 # --------------------------------------------------------------------------------------------------------
 
@@ -334,6 +465,7 @@ ALL_LOSSES = [
     SmoothAPLoss(temperature=0.05),
     RankedListLoss(),
     RankedListLoss(margin=0.3, alpha=1.1, tn=2.0, tp=1.0, lam=0.7),
+    RankedListLoss(gradient="query"),
     TripletLoss(),
 ]
 
@@ -538,9 +670,9 @@ def _hyper(loss_fn: RankingLoss) -> dict:
     if isinstance(loss_fn, SmoothAPLoss):
         return {"temperature": loss_fn.temperature}
     if isinstance(loss_fn, RankedListLoss):
-        keys = ("margin", "alpha", "tn", "tp", "lam")
+        keys = ("margin", "alpha", "tn", "tp", "lam", "gradient")
         return {k: getattr(loss_fn, k) for k in keys}
-    return {"margin": loss_fn.margin}
+    return {"margin": loss_fn.margin, "triplets": loss_fn.triplets}
 
 
 def test_rll_gradient_reaches_gallery_items_of_every_pair():

@@ -72,7 +72,13 @@ def test_data_errors_name_the_root_in_one_line(glyphs_root: Path, tmp_path: Path
     check_data(_config(*base), info)
     assert "data.train_split" in _one_line_error(check_data, _config(*base, "data.train_split=nope"), info)
     vehicleid = _one_line_error(check_data, _config(*base, "sampler.name=vehicleid"), info)
-    assert vehicleid.startswith("sampler.name=vehicleid on ") and "unlabelled classes" in vehicleid
+    # The data layer's own line (dmltrain.data.check_batch): the keys, the numbers and the data set.
+    assert vehicleid == (
+        f"sampler.name=vehicleid fills half of train.global_batch_size=128 = 64 images from unlabelled "
+        f"vehicles (category -1), but {glyphs_root} has 0 in classes of 2+ images"
+    )
+    many = _one_line_error(check_data, _config(*base, "train.global_batch_size=4096"), info)
+    assert many.startswith("train.global_batch_size=4096 / sampler.samples_per_class=4 = 1024 classes")
     shards = len(info.split("train").shards)
     crowded = _config(*base, f"data.loader_workers={shards}")  # 2 ranks x shards workers > shards
     assert "smaller --shard-size" in _one_line_error(check_data, crowded, info)

@@ -6,7 +6,10 @@ loop runs in-process against real glyph shards and a real MLflow sqlite store, s
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from dmltrain.service.best import is_scored, worst_score
+from dmltrain.service.checkpoints import checkpoint_dir_name
 from dmltrain.service.config import ExperimentConfig, flatten, load_config, to_yaml
 from dmltrain.service.tracking import start_or_resume_run
 from dmltrain.service.train import NonFiniteLossError, WorkerLoop
@@ -49,13 +54,25 @@ class LocalContext:
     def get_checkpoint(self) -> _Checkpoint | None:
         return _Checkpoint(self.restore_from) if self.restore_from else None
 
-    def report(self, metrics: dict[str, float], directory: str | None, upload: str = "sync") -> None:
+    def report(
+        self,
+        metrics: dict[str, float],
+        directory: str | None,
+        upload: str = "sync",
+        name: str | None = None,
+        on_stored: Callable[[], None] | None = None,
+    ) -> None:
         self.reports.append(metrics)
         if directory:
-            target = self.root / f"checkpoint_{metrics['step']:04d}"
-            shutil.copytree(directory, target)
+            assert name is not None
+            shutil.copytree(directory, self.root / name, dirs_exist_ok=True)  # a replay stores again
+            if on_stored is not None:  # Ray calls it once the copy in storage is complete
+                on_stored()
             if upload == "async":  # as Ray does once an asynchronous upload is done
                 shutil.rmtree(directory)
+
+    def checkpoint_at(self, uri: str) -> _Checkpoint:
+        return _Checkpoint(Path(uri))
 
 
 def _setup(tmp_path: Path, glyphs: Path, *overrides: str) -> tuple[ExperimentConfig, str, str]:
@@ -82,15 +99,26 @@ def _setup(tmp_path: Path, glyphs: Path, *overrides: str) -> tuple[ExperimentCon
 
 def test_checkpoint_round_trip_continues_the_run(glyphs_root: Path, tmp_path: Path) -> None:
     config, run_id, uri = _setup(
-        tmp_path, glyphs_root, "train.steps=4", "train.checkpoint_every=2", "train.eval_every=4"
+        tmp_path,
+        glyphs_root,
+        "train.steps=4",
+        "train.checkpoint_every=2",
+        "train.eval_every=4",
+        f"run.storage_path={tmp_path}",
+        "run.name=loop",
     )
-    first = LocalContext(tmp_path)
+    storage = tmp_path / "loop"
+    storage.mkdir()
+    first = LocalContext(storage)
     loop = WorkerLoop(config, run_id, uri, first)
     loop.run()
     assert [r["step"] for r in first.reports] == [2, 4] and "eval/test/recall@1" in first.reports[-1]
     # Only evaluated checkpoints carry a real score for Ray's best-checkpoint ranking.
-    assert first.reports[0]["checkpoint_score"] == float("-inf")
+    assert first.reports[0]["checkpoint_score"] == worst_score("max") and not is_scored(worst_score("max"))
+    # Ray keeps scores in a JSON snapshot for relaunches: they must survive it (an infinity becomes null).
+    assert json.loads(json.dumps(first.reports[0], allow_nan=False)) == first.reports[0]
     assert first.reports[1]["checkpoint_score"] == first.reports[1]["eval/test/recall@1"]
+    assert sorted(p.name for p in storage.iterdir()) == ["checkpoint_000000002", "checkpoint_000000004"]
     final_weights = {k: v.clone() for k, v in loop.net.state_dict().items()}
     # Where the time went (time/* in MLflow): the parts fit inside the loop's wall time.
     t = {k.removeprefix("time/"): v for k, v in MlflowClient(uri).get_run(run_id).data.metrics.items()}
@@ -99,17 +127,30 @@ def test_checkpoint_round_trip_continues_the_run(glyphs_root: Path, tmp_path: Pa
     assert t["data_seconds"] + t["engine_seconds"] + t["update_seconds"] <= t["step_seconds"]
     parts = t["step_seconds"] + t["eval_seconds"] + t["checkpoint_seconds"] + t["log_seconds"]
     assert parts <= t["loop_seconds"] <= parts + 5.0
+    client = MlflowClient(uri)
+    assert client.get_run(run_id).data.tags["dmltrain.checkpoint_step"] == "4"
 
     # A fresh loop restored from the step-2 checkpoint replays steps 3-4 from the same stream position.
-    again = LocalContext(tmp_path / "again", restore_from=tmp_path / "checkpoint_0002")
-    (tmp_path / "again").mkdir()
-    resumed = WorkerLoop(config, run_id, uri, again)
+    client.set_tag(run_id, "dmltrain.checkpoint_step", "2")  # as if step 4 had never been stored
+    resumed = WorkerLoop(
+        config, run_id, uri, LocalContext(storage, restore_from=storage / "checkpoint_000000002")
+    )
     assert resumed.step == 2 and resumed.stream.step == 2
     resumed.run()
     for key, value in resumed.net.state_dict().items():
         torch.testing.assert_close(value, final_weights[key], msg=key)
-    steps = [m.step for m in MlflowClient(uri).get_metric_history(run_id, "train/loss")]
+    steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
     assert steps == [1, 2, 3, 4]  # the replayed steps were not logged a second time
+
+    # Ray hands back step 2 (it never registered step 4: its node died right after storing it), but rank 0
+    # recorded step 4 in MLflow: the loop continues from step 4, not 2.
+    assert client.get_run(run_id).data.tags["dmltrain.checkpoint_step"] == "4"
+    latest = WorkerLoop(
+        config, run_id, uri, LocalContext(storage, restore_from=storage / "checkpoint_000000002")
+    )
+    assert latest.step == 4 and latest.stream.step == 4
+    for key, value in latest.net.state_dict().items():
+        torch.testing.assert_close(value, final_weights[key], msg=key)
 
 
 def test_nan_steps_are_skipped_then_fail_clearly(glyphs_root: Path, tmp_path: Path) -> None:
@@ -127,3 +168,62 @@ def test_nan_steps_are_skipped_then_fail_clearly(glyphs_root: Path, tmp_path: Pa
         torch.testing.assert_close(loop.net.state_dict()[key], value, msg=key, equal_nan=True)
     skipped = MlflowClient(uri).get_metric_history(run_id, "train/skipped_steps")
     assert [m.value for m in skipped] == [1.0, 2.0]
+
+
+def test_fp16_loop_scales_gradients_and_checkpoints_the_scaler(glyphs_root: Path, tmp_path: Path) -> None:
+    """fp16 autocast with a GradScaler (CPU autocast supports fp16, so the GPU-only path runs here)."""
+    config, run_id, uri = _setup(
+        tmp_path,
+        glyphs_root,
+        "train.steps=1",
+        "train.eval_every=100",
+        "train.precision=fp16",
+    )
+    context = LocalContext(tmp_path)
+    loop = WorkerLoop(config, run_id, uri, context)
+    assert loop.scaler is not None and loop.autocast == torch.float16
+    loop.run()
+    client = MlflowClient(uri)
+    losses = [m.value for m in client.get_metric_history(run_id, "train/loss")]
+    assert len(losses) == 1 and all(math.isfinite(v) for v in losses)
+    scales = [m.value for m in client.get_metric_history(run_id, "train/grad_scale")]
+    assert scales and scales[-1] == loop.scaler.get_scale()
+    tags = client.get_run(run_id).data.tags
+    assert tags["dmltrain.precision"] == "fp16" and tags["dmltrain.device"].startswith("cpu")
+    resumed = WorkerLoop(
+        config, run_id, uri, LocalContext(tmp_path, restore_from=tmp_path / checkpoint_dir_name(1))
+    )
+    assert resumed.scaler is not None and resumed.scaler.state_dict() == loop.scaler.state_dict()
+    assert resumed.scaler.state_dict() != torch.amp.GradScaler("cpu").state_dict()  # not a fresh scaler
+
+
+def test_compiled_channels_last_loop_computes_the_eager_step(
+    glyphs_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.compile / train.channels_last forced on CPU: the first step's loss and gradient norm (before
+    any update) equal the eager NCHW loop's. aot_eager instead of inductor keeps resnet18 quick to trace;
+    inductor itself is compared with eager in test_acceleration.py."""
+    import functools
+
+    from dmltrain.acceleration import compile_network
+    from dmltrain.service import train as train_module
+
+    monkeypatch.setattr(
+        train_module, "compile_network", functools.partial(compile_network, backend="aot_eager")
+    )
+    first: dict[str, tuple[float, float]] = {}
+    for name, flags in (("eager", ()), ("fast", ("train.compile=true", "train.channels_last=true"))):
+        directory = tmp_path / name
+        directory.mkdir()
+        config, run_id, uri = _setup(directory, glyphs_root, "train.steps=1", "train.eval_every=100", *flags)
+        loop = WorkerLoop(config, run_id, uri, LocalContext(directory))
+        loop.run()
+        client = MlflowClient(uri)
+        loss = client.get_metric_history(run_id, "train/loss")[0].value
+        norm = client.get_metric_history(run_id, "train/grad_norm")[0].value
+        first[name] = (loss, norm)
+        tags = client.get_run(run_id).data.tags
+        expected = ("true", "works") if flags else ("false", "eager")
+        assert (tags["dmltrain.channels_last"], tags["dmltrain.compile"]) == expected
+    assert first["fast"][0] == pytest.approx(first["eager"][0], rel=1e-5)
+    assert first["fast"][1] == pytest.approx(first["eager"][1], rel=1e-4)

@@ -1,39 +1,53 @@
 """What the trainer and the evaluator iterate: `TrainLoader` (endless sampled batches, checkpointable) and
 `EvalLoader` (each rank a disjoint part of a split, in order).
 
-Each DataLoader worker runs a `GroupStream` + batcher on its own shards, decodes and augments only the
-images of the batch it emits, and attaches its small sampler state to the batch. The main process keeps
-the state of the last batch it *consumed* from each worker, so `state_dict()` describes exactly what the
-model has seen, whatever the workers had prefetched.
+Every DataLoader worker runs a `GroupStream` + batcher on its own shards and fills its *part* of every
+local batch (the plan sizes parts by what each worker holds), decoding and augmenting only those images.
+The DataLoader hands worker outputs over in round-robin order, so the W parts of step s arrive one after
+another and the main process joins them into the local batch (in a thread, one step ahead of the
+caller): a batch draws on all of the rank's classes. Each part carries its worker's sampler state after
+that step; the main process keeps the states of the last batch it *returned*, so `state_dict()`
+describes exactly what the model has seen, whatever the workers had prefetched or joined ahead.
+
+With ``decode="gpu"`` the workers ship their parts still encoded, with each image's crop and flip already
+drawn, and the join thread decodes and augments the step's images on the training device
+(`dmltrain.data.device_decode`): the same batches as the CPU path up to the JPEG decoders' differences.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
-import warnings
-from collections.abc import Iterator
+import queue
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from dmltrain.data.device_decode import DecodeMode, DeviceDecoder, EncodedPart, encode_part, resolve_decode
 from dmltrain.data.metadata import DatasetInfo, load_dataset_info
-from dmltrain.data.sampling import (
-    Batcher,
-    CategorySchedule,
-    PairSchedule,
-    PoolBatcher,
-    ReservoirBatcher,
-    SamplerSpec,
-    TripletBatcher,
-)
+from dmltrain.data.plan import TrainPlan
+from dmltrain.data.sampling import Batcher, PoolBatcher, ReservoirBatcher, SamplerSpec, TripletBatcher
 from dmltrain.data.shards import Sample, read_shard
-from dmltrain.data.stream import GroupStream, check_enough_shards, consumer_shards, resolve_rank
-from dmltrain.data.transforms import Transform, decode, test_transform, train_transform
+from dmltrain.data.stream import GroupStream, rank_shards, resolve_rank
+from dmltrain.data.transforms import (
+    ResizeMode,
+    TrainAugment,
+    Transform,
+    decode,
+    test_transform,
+    train_transform,
+)
 
-STATE_VERSION = 1
+# 2: every worker fills a part of every step (1: each worker built whole batches of every W-th step), and
+# shards go to ranks first, then to a rank's workers.
+STATE_VERSION = 2
 
 
 def collate(samples: list[Sample], transform: Transform) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,147 +80,174 @@ def _as_is(item: Any) -> Any:
     return item
 
 
-class TrainPlan:
-    """Everything derivable from dataset.json alone, identical on every rank: shard assignment, the
-    categories every consumer can serve, the schedule and the number of steps per epoch."""
-
-    def __init__(
-        self, info: DatasetInfo, split: str, spec: SamplerSpec, batch_size: int, world_size: int, workers: int
-    ) -> None:
-        shards = info.split(split).shards
-        check_enough_shards(split, len(shards), world_size, workers)
-        self.shard_samples = [s.num_samples for s in shards]
-        self.consumers = world_size * workers
-        self.global_batch = batch_size * world_size
-        self.category_counts: list[dict[int, int]] = []
-        self.samples: list[int] = []
-        for consumer in range(self.consumers):
-            counts: dict[int, int] = {}
-            for i in consumer_shards(len(shards), consumer, self.consumers):
-                for c, n in shards[i].category_counts or [(-1, shards[i].num_samples)]:
-                    counts[c] = counts.get(c, 0) + n
-            self.category_counts.append(counts)
-            self.samples.append(sum(counts.values()))
-        self.imbalance = max(self.samples) / max(1, min(self.samples))
-        if self.imbalance > 1.25:
-            warnings.warn(
-                f"split {split!r}: consumers hold {min(self.samples)}..{max(self.samples)} images "
-                f"({len(shards)} shards over {self.consumers} consumers); smaller consumers revisit their "
-                f"data "
-                f"more often. Prepare with a smaller --shard-size for an even spread.",
-                stacklevel=3,
-            )
-        totals: dict[int, int] = {}
-        for counts in self.category_counts:
-            for c, n in counts.items():
-                totals[c] = totals.get(c, 0) + n
-        served = [c for c in sorted(totals) if all(counts.get(c, 0) >= 2 for counts in self.category_counts)]
-        self.schedule: PairSchedule | CategorySchedule | None = None
-        self.excluded_categories: list[int] = []
-        usable = info.split(split).num_samples - len(info.split(split).singleton_classes)
-        if spec.name == "hard":
-            if not info.category_names:
-                raise ValueError(f"hard sampling needs category labels; {info.name!r} has none")
-            eligible = [c for c in served if c >= 0]
-            self.excluded_categories = sorted(c for c in totals if c >= 0 and c not in eligible)
-            per_pair = spec.batches_per_pair or int(info.sampling_hints.get("batches_per_pair", 1))
-            self.schedule = PairSchedule(eligible, per_pair, spec.seed)
-            self.steps_per_epoch = self.schedule.round_length
-        elif spec.name == "vehicleid":
-            if -1 not in served:
-                raise ValueError(
-                    "vehicleid sampling needs unlabelled classes (category -1) on every consumer"
-                )
-            eligible = [c for c in served if c >= 0]
-            self.excluded_categories = sorted(c for c in totals if c >= 0 and c not in eligible)
-            self.schedule = CategorySchedule({c: totals[c] for c in eligible}, self.global_batch, spec.seed)
-            self.steps_per_epoch = self.schedule.round_length
-        elif spec.name == "triplet":
-            self.steps_per_epoch = max(1, usable // (world_size * (batch_size // 3)))
-        else:
-            self.steps_per_epoch = max(1, usable // self.global_batch)
-        if self.excluded_categories:
-            names = [info.category_names[c] for c in self.excluded_categories[:8]]
-            warnings.warn(
-                f"{len(self.excluded_categories)} categories are not held by every consumer and are left out "
-                f"of {spec.name} sampling (e.g. {names}); fewer shards per consumer would keep them",
-                stacklevel=3,
-            )
-
-    def local_share(self, consumer: int) -> dict[int, float]:
-        counts = self.category_counts[consumer]
-        total = max(1, sum(counts.values()))
-        return {c: n / total for c, n in counts.items()}
-
-
 class TrainStream(IterableDataset):
-    """Runs inside each DataLoader worker: stream -> batcher -> decode + augment -> batch + sampler state."""
+    """Runs inside each DataLoader worker: stream -> batcher -> decode + augment -> part + sampler state."""
 
     def __init__(
         self,
         urls: list[str],
         plan: TrainPlan,
-        spec: SamplerSpec,
-        batch_size: int,
         rank: int,
-        workers: int,
         transform: Transform,
-        seed: int,
         worker_states: dict[int, dict[str, Any]],
-        first_worker: int,
+        decode: str = "cpu",
     ) -> None:
+        """decode: "cpu" decodes and augments each part here; "gpu" draws the augmentation and ships the
+        part encoded (`transform` must then be a `TrainAugment`)."""
         super().__init__()
-        self.urls, self.plan, self.spec, self.batch_size = urls, plan, spec, batch_size
-        self.rank, self.workers, self.transform, self.seed = rank, workers, transform, seed
+        self.urls, self.plan, self.rank, self.transform = urls, plan, rank, transform
         self.worker_states = worker_states
-        self.first_worker = first_worker
+        self.decode = decode
 
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
         info = get_worker_info()
-        loader_id = info.id if info is not None else 0
-        # The DataLoader always starts with its worker 0; after a resume at step n that worker must play
-        # the part of logical worker n mod W so batches keep the uninterrupted round-robin order.
-        worker = (loader_id + self.first_worker) % self.workers
-        consumer = self.rank * self.workers + worker
-        shard_ids = consumer_shards(len(self.urls), consumer, self.plan.consumers)
-        stream = GroupStream(self.urls, shard_ids, self.seed, consumer, self.plan.shard_samples)
+        worker = info.id if info is not None else 0
+        consumer = self.rank * self.plan.workers + worker
+        seed = self.plan.spec.seed
+        shard_ids = self.plan.holdings[consumer].shards
+        stream = GroupStream(self.urls, shard_ids, seed, consumer, self.plan.shard_samples)
         batcher = self._batcher(stream, consumer)
-        local_step = 0
+        step = 0
         state = self.worker_states.get(worker)
         if state is not None:
             stream.load_state_dict(state["stream"])
             batcher.load_state_dict(state["batcher"])
-            local_step = int(state["local_step"])
+            step = int(state["step"])
         while True:
-            step = worker + self.workers * local_step  # this rank's (= the global) step index
             samples = batcher.next_batch(step)
-            with torch.random.fork_rng(devices=[]):
-                # Only the CPU generator: torch.manual_seed also queues lazy CUDA/MPS seeding with a
-                # formatted stack trace on every call (0.4 ms, against 2 us for the CPU generator alone).
-                torch.default_generator.manual_seed(
-                    int(np.random.SeedSequence([self.seed, consumer, local_step]).generate_state(1)[0])
-                )
-                images, labels, categories = collate(samples, self.transform)
-            local_step += 1
-            state = {"local_step": local_step, "stream": stream.state_dict(), "batcher": batcher.state_dict()}
-            yield images, labels, categories, [s.key for s in samples], worker, state
+            part = None
+            if samples:
+                with torch.random.fork_rng(devices=[]):
+                    # Only the CPU generator: torch.manual_seed also queues lazy CUDA/MPS seeding with a
+                    # formatted stack trace on every call (0.4 ms, against 2 us for the CPU generator alone).
+                    torch.default_generator.manual_seed(
+                        int(np.random.SeedSequence([seed, consumer, step]).generate_state(1)[0])
+                    )
+                    if self.decode == "gpu":
+                        assert isinstance(self.transform, TrainAugment)
+                        part = encode_part(samples, self.transform)
+                    else:
+                        part = collate(samples, self.transform)
+            step += 1
+            state = {"step": step, "stream": stream.state_dict(), "batcher": batcher.state_dict()}
+            yield part, [s.key for s in samples], worker, step - 1, state
 
     def _batcher(self, stream: GroupStream, consumer: int) -> Batcher:
-        seed = int(np.random.SeedSequence([self.seed, 3, consumer]).generate_state(1)[0])
-        if self.spec.name in ("pk", "random"):
-            return PoolBatcher(stream, self.batch_size, self.spec, seed)
-        if self.spec.name == "triplet":
-            return TripletBatcher(stream, self.batch_size, self.spec, seed, self.plan.local_share(consumer))
-        assert self.plan.schedule is not None
+        plan, spec = self.plan, self.plan.spec
+        seed = int(np.random.SeedSequence([spec.seed, 3, consumer]).generate_state(1)[0])
+        where = plan.name(consumer)
+        held = plan.holdings[consumer]
+        if spec.name in ("pk", "random"):
+            assert plan.parts is not None
+            return PoolBatcher(
+                stream,
+                plan.parts[consumer],
+                spec,
+                seed,
+                where,
+                held.classes,
+                held.images,
+                plan.capacity[consumer],
+            )
+        if spec.name == "triplet":
+            assert plan.parts is not None
+            return TripletBatcher(stream, plan.parts[consumer], spec, seed, where, plan.local_share(consumer))
         return ReservoirBatcher(
-            stream, self.batch_size, self.spec, seed, self.plan.schedule, self.plan.category_counts[consumer]
+            stream,
+            spec,
+            seed,
+            where,
+            lambda step: plan.quota(step, consumer),
+            held.categories,
+            plan.largest_quota(consumer),
+            plan.typical_part(consumer),
         )
+
+
+# (step, (images, labels, categories) or an EncodedPart, keys, each worker's state after its part)
+_Step = tuple[int, Any, list[str], dict[int, dict[str, Any]]]
+
+
+def _read_step(iterator: Iterator[Any], workers: int, steps: Iterator[int]) -> _Step:
+    """The W parts of the next step from the DataLoader (which hands worker outputs over in round-robin
+    order), joined: (step, (images, labels, categories) or one EncodedPart, keys, worker states)."""
+    expected_step = next(steps)
+    parts, keys, states = [], [], {}
+    for expected in range(workers):
+        part, part_keys, worker, step, state = next(iterator)
+        if (worker, step) != (expected, expected_step):
+            raise RuntimeError(
+                f"loader order broken: expected worker {expected} at step {expected_step}, got worker "
+                f"{worker} at step {step}"
+            )
+        if part is not None:
+            parts.append(part)
+        keys += part_keys
+        states[worker] = state
+    if parts and isinstance(parts[0], EncodedPart):
+        joined: Any = EncodedPart.join(parts)
+    else:
+        joined = parts[0] if len(parts) == 1 else tuple(torch.cat(t) for t in zip(*parts, strict=True))
+    return expected_step, joined, keys, states
+
+
+class _JoinAhead:
+    """Reads and joins the parts of the next step in a background thread while the caller trains on the
+    current one: torch.cat releases the GIL, so the copy (about 150 KB an image at 224 px) leaves the
+    caller's critical path. All sampling (and, decoding on the CPU, all decoding) stays in the loader
+    worker processes; `finish` (decoding on the device) runs here too, one step ahead."""
+
+    def __init__(
+        self, iterator: Iterator[Any], workers: int, step: int, finish: Callable[[_Step], _Step]
+    ) -> None:
+        self._queue: queue.Queue[_Step | BaseException] = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        steps = itertools.count(step)
+        self._thread = threading.Thread(
+            target=self._run, args=(iterator, workers, steps, finish), daemon=True
+        )
+        self._thread.start()
+
+    def _run(
+        self, iterator: Iterator[Any], workers: int, steps: Iterator[int], finish: Callable[[_Step], _Step]
+    ) -> None:
+        while not self._stop.is_set():
+            try:
+                item: _Step | BaseException = finish(_read_step(iterator, workers, steps))
+            except BaseException as exc:  # handed to the caller, with its traceback
+                item = exc
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+
+    def get(self) -> _Step:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop after the step being read; the DataLoader (and its workers) go with the thread."""
+        self._stop.set()
 
 
 class TrainLoader:
     """Endless class-structured batches `(images uint8 (B,C,H,W), labels int64 (B,), categories int64 (B,))`
     for one rank; `for batch in loader` runs one epoch (`steps_per_epoch` steps) and the next loop
-    continues the stream. `state_dict()`/`load_state_dict()` resume it exactly (per rank)."""
+    continues the stream. `state_dict()`/`load_state_dict()` resume it exactly (per rank). A batch the
+    data cannot fill raises `plan.BatchError` here (`plan.check_batch` finds it before any worker starts).
+
+    decode: "cpu" (PIL in the loader workers; images on the host), "gpu" (the workers draw the crops and
+    ship JPEG bytes; images are decoded and augmented on `device`, default the current CUDA device, and
+    returned there) or "auto" (gpu where `device` is CUDA and torchvision decodes JPEGs on it, else cpu).
+    Both give the same crops for a seed, and the same loader state. `decode_batch` images are decoded
+    per device call (it bounds the memory full-size decoded images take on the device).
+    """
 
     def __init__(
         self,
@@ -221,10 +262,15 @@ class TrainLoader:
         transform: Transform | None = None,
         image_size: int = 224,
         crop_scale: tuple[float, float] = (0.16, 1.0),
+        resize_mode: ResizeMode = "shorter_side",
+        resize: int | None = None,
         with_keys: bool = False,
         info: DatasetInfo | None = None,
         prefetch_factor: int = 2,
         multiprocessing_context: str | None = None,
+        decode: DecodeMode = "cpu",
+        device: torch.device | str | None = None,
+        decode_batch: int = 512,
     ) -> None:
         self.spec = sampler if isinstance(sampler, SamplerSpec) else SamplerSpec.from_config(sampler or {})
         if batch_size < 2:
@@ -236,16 +282,33 @@ class TrainLoader:
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self.num_workers = num_workers
         self.workers = max(1, num_workers)
-        self.transform = transform or train_transform(image_size, scale=crop_scale)
+        self.transform = transform or train_transform(
+            image_size, scale=crop_scale, resize_mode=resize_mode, resize=resize
+        )
+        self.decode, self.decode_device = resolve_decode(decode, device)
+        if self.decode == "gpu" and not isinstance(self.transform, TrainAugment):
+            if decode == "gpu":
+                raise ValueError(
+                    "decode='gpu' draws the crops in the loader workers and applies them on the device: "
+                    "the transform must be a TrainAugment (dmltrain.data.train_transform), not a custom one"
+                )
+            self.decode, self.decode_device = "cpu", None
         self.with_keys = with_keys
         self.prefetch_factor = prefetch_factor
         self.multiprocessing_context = multiprocessing_context
-        self.plan = TrainPlan(self.info, split, self.spec, batch_size, self.world_size, self.workers)
+        self.plan = TrainPlan(
+            self.info, split, self.spec, batch_size, self.world_size, self.workers, where=self.root
+        )
         self.steps_per_epoch = self.plan.steps_per_epoch
         self.urls = self.info.shard_urls(self.root, split)
         self.step = 0
         self._worker_states: dict[int, dict[str, Any]] = {}
-        self._iterator: Iterator[Any] | None = None
+        self._source: Callable[[], _Step] | None = None
+        self._joiner: _JoinAhead | None = None
+        self._decoder: DeviceDecoder | None = None
+        if self.decode == "gpu":
+            assert isinstance(self.transform, TrainAugment) and self.decode_device is not None
+            self._decoder = DeviceDecoder(self.transform, self.decode_device, self.urls, decode_batch)
 
     @property
     def epoch(self) -> int:
@@ -259,29 +322,36 @@ class TrainLoader:
             yield self.next_batch()
 
     def next_batch(self) -> tuple[Any, ...]:
-        if self._iterator is None:
-            self._iterator = iter(self._dataloader())
-        images, labels, categories, keys, worker, state = next(self._iterator)
-        if worker != self.step % self.workers:
-            raise RuntimeError(
-                f"loader order broken: expected worker {self.step % self.workers}, got {worker}"
-            )
-        self._worker_states[worker] = state
+        """The next local batch: the parts of this step from every loader worker, joined in worker order."""
+        if self._source is None:
+            iterator = iter(self._dataloader())
+            # Decoding on the device is worth a thread even for one worker; with no worker process the
+            # stream runs in this process and seeds torch's generator per part, so it stays in this thread.
+            if self.workers > 1 or (self._decoder is not None and self.num_workers > 0):
+                self._joiner = _JoinAhead(iterator, self.workers, self.step, self._finish)
+                self._source = self._joiner.get
+            else:  # one part is the batch: nothing to join, and no thread beside the caller's RNG use
+                read = functools.partial(_read_step, iterator, 1, itertools.count(self.step))
+                self._source = lambda: self._finish(read())
+        step, (images, labels, categories), keys, states = self._source()
+        if len(labels) != self.batch_size or step != self.step:
+            raise RuntimeError(f"step {self.step}: got step {step} with {len(labels)} images")
+        self._worker_states = states
         self.step += 1
         return (images, labels, categories, keys) if self.with_keys else (images, labels, categories)
 
+    def _finish(self, item: _Step) -> _Step:
+        """Decode a step's encoded parts on the device (in the join thread when there is one)."""
+        step, joined, keys, states = item
+        if isinstance(joined, EncodedPart):
+            assert self._decoder is not None
+            images: Tensor = self._decoder(joined, keys)
+            joined = (images, joined.labels, joined.categories)
+        return step, joined, keys, states
+
     def _dataloader(self) -> DataLoader:
         dataset = TrainStream(
-            self.urls,
-            self.plan,
-            self.spec,
-            self.batch_size,
-            self.rank,
-            self.workers,
-            self.transform,
-            self.spec.seed,
-            dict(self._worker_states),
-            self.step % self.workers,
+            self.urls, self.plan, self.rank, self.transform, dict(self._worker_states), self.decode
         )
         extra: dict[str, Any] = {}
         if self.num_workers > 0:
@@ -303,7 +373,8 @@ class TrainLoader:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Small, picklable: step count plus each worker's stream position, sampler RNG and buffer refs."""
+        """Small, picklable: the step count plus each worker's stream position, sampler RNG and buffer
+        refs after its part of the last returned batch."""
         return {
             "version": STATE_VERSION,
             "step": self.step,
@@ -324,8 +395,11 @@ class TrainLoader:
         self._worker_states = {int(w): s for w, s in state["workers"].items()}
 
     def close(self) -> None:
-        """Stop the worker processes (the next batch starts new ones from the current state)."""
-        self._iterator = None
+        """Stop the worker processes (the next batch starts new ones from the current state); batches
+        prefetched or joined ahead are dropped."""
+        if self._joiner is not None:
+            self._joiner.close()
+        self._source = self._joiner = None
 
 
 class EvalStream(IterableDataset):
@@ -377,6 +451,7 @@ class EvalLoader:
         transform: Transform | None = None,
         image_size: int = 224,
         resize: int | None = None,
+        resize_mode: ResizeMode = "shorter_side",
         info: DatasetInfo | None = None,
         with_shards: bool = False,
     ) -> None:
@@ -387,15 +462,15 @@ class EvalLoader:
         self.rank, self.world_size = resolve_rank(rank, world_size)
         shards = self.info.split(split).shards
         urls = self.info.shard_urls(self.root, split)
-        self.shards = consumer_shards(len(shards), self.rank, self.world_size)
+        self.shards = rank_shards(len(shards), self.rank, self.world_size)
         self.rank_counts = [
-            sum(shards[i].num_samples for i in consumer_shards(len(shards), r, self.world_size))
+            sum(shards[i].num_samples for i in rank_shards(len(shards), r, self.world_size))
             for r in range(self.world_size)
         ]
         self.num_samples = self.rank_counts[self.rank]
         self.batch_size = batch_size
         self.num_workers = num_workers
-        self.transform = transform or test_transform(image_size, resize)
+        self.transform = transform or test_transform(image_size, resize, resize_mode)
         self._urls = [(i, urls[i], shards[i].num_samples) for i in self.shards]
 
     def __len__(self) -> int:

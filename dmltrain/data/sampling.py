@@ -1,26 +1,31 @@
 """Batchers: class-level sampling over an endless group stream with bounded buffers of encoded images.
 
+Each loader worker fills its *part* of every local batch from the classes its own shards hold, and the
+loader's main process joins the parts of a step (`plan.py` says how a batch is split into parts).
 - `pk`: P classes x K images (Smooth-AP |P| = 4; RLL C-way K-shot), a pass over the data per epoch.
-- `random`: whole classes at random until the batch is full (FastAP's "random" baseline).
-- `hard`: FastAP's category pairs - half the batch from category a, half from b, where (a, b) is a pure
-  function of (seed, global step), so every rank draws the same pair in the same step without talking.
+- `random`: whole classes at random until the part is full (FastAP's "random" baseline).
+- `hard`: FastAP's category pairs - half the global batch from category a, half from b, where (a, b) is a
+  pure function of (seed, global step), so every rank draws the same pair in the same step without
+  talking. A sampled class enters the batch whole (FastAP supplement A).
 - `vehicleid`: half from one labelled category, half from unlabelled classes (FastAP supplement A).
 - `triplet`: Deep Ranking online sampling with per-category reservoirs (keys u^(1/r)).
 
-Buffers hold encoded bytes, so memory is bounded by `pool_images` x the encoded image size. A batcher's
-`state_dict` names buffered samples by (shard, member), small enough to travel with every batch.
+Buffers hold encoded bytes, so memory is bounded by the pool (`pool_images`, or the classes one part
+needs when that is more) x the encoded image size. A batcher's `state_dict` names buffered samples by
+(shard, member), small enough to travel with every part.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
-from itertools import combinations
 from typing import Any
 
 import numpy as np
 
+from dmltrain.data.fill import Fill, Item, repair, take_greedy
 from dmltrain.data.shards import Sample
 from dmltrain.data.stream import Group, GroupStream
 
@@ -82,6 +87,15 @@ def split_group(samples: list[Sample], k: int | None, counters: Counter[str]) ->
     return parts
 
 
+def largest_piece(n: int, k: int | None) -> int:
+    """The largest part `split_group` cuts from a class group of n images: what one batch can take of it."""
+    if n < 2:
+        return 0
+    if k is None or n <= k:
+        return n
+    return k - 1 if n == k + 1 and k >= 3 else k
+
+
 def _refs(samples: list[Sample]) -> list[list[int]]:
     return [[s.shard, s.member] for s in samples]
 
@@ -91,15 +105,17 @@ def _lookup(refs: list[list[int]], found: dict[tuple[int, int], Sample]) -> list
 
 
 class Batcher:
-    """Common plumbing: the stream, the batch size, a seeded generator and counters of what was dropped."""
+    """Common plumbing: the stream, this worker's part size, a seeded generator and counters of what was
+    dropped, cut or repeated. `where` names the worker in messages."""
 
-    def __init__(self, stream: GroupStream, batch_size: int, spec: SamplerSpec, seed: int) -> None:
+    def __init__(self, stream: GroupStream, part: int, spec: SamplerSpec, seed: int, where: str) -> None:
         self.stream = stream
-        self.batch_size = batch_size
+        self.batch_size = part
         self.spec = spec
+        self.where = where
         self.rng = np.random.default_rng(seed)
         self.counters: Counter[str] = Counter()
-        self.pool_images = spec.pool_images or max(8 * batch_size, 1024)
+        self.pool_images = spec.pool_images or max(8 * part, 1024)
 
     def next_batch(self, step: int) -> list[Sample]:
         raise NotImplementedError
@@ -130,65 +146,128 @@ class Batcher:
 
 
 class PoolBatcher(Batcher):
-    """`pk` (parts of K) and `random` (whole classes): random distinct-class parts from a bounded pool."""
+    """`pk` (pieces of at most K) and `random` (whole classes): a part of distinct classes from a pool.
 
-    def __init__(self, stream: GroupStream, batch_size: int, spec: SamplerSpec, seed: int) -> None:
-        super().__init__(stream, batch_size, spec, seed)
+    The pool is filled to `pool_images`, and further (at most one more pass over this worker's shards)
+    until it holds twice the classes a part needs, so a part that its shards can fill always finds them.
+    """
+
+    def __init__(
+        self,
+        stream: GroupStream,
+        part: int,
+        spec: SamplerSpec,
+        seed: int,
+        where: str,
+        held_classes: int,
+        held_images: int,
+        capacity: int,
+    ) -> None:
+        super().__init__(stream, part, spec, seed, where)
         self.k = spec.samples_per_class if spec.name == "pk" else None
         self.pool: list[list[Sample]] = []
         self.size = 0
+        self.pool_classes: Counter[int] = Counter()  # pieces of each class in the pool
+        self.held_classes = held_classes  # classes of 2+ images in this worker's shards
+        self.capacity = capacity  # images one piece per class of those classes can give a part
+        self.pass_images = max(1, held_images)
+        mean_piece = min(self.k or math.inf, held_images / max(1, held_classes))
+        self.want_classes = min(held_classes, 2 * math.ceil(part / max(2.0, mean_piece)))
 
-    def _ingest(self, group: Group) -> None:
-        for part in split_group(group.samples, self.k, self.counters):
-            self.pool.append(part)
-            self.size += len(part)
+    def _ingest(self, group: Group) -> int:
+        for piece in split_group(group.samples, self.k, self.counters):
+            self.pool.append(piece)
+            self.size += len(piece)
+            self.pool_classes[piece[0].cls] += 1
+        return len(group.samples)
 
-    def _fill(self, target: int) -> None:
-        while self.size < target:
-            self._ingest(self.stream.next_group())
+    def _fill(self) -> None:
+        read = 0
+        while self.size < self.pool_images or (
+            len(self.pool_classes) < self.want_classes and read < self.pass_images
+        ):
+            read += self._ingest(self.stream.next_group())
+            if self.size == 0 and read >= self.pass_images:
+                raise RuntimeError(f"{self.where}: its shards hold no class with 2 or more images")
 
     def next_batch(self, step: int) -> list[Sample]:
-        self._fill(self.pool_images)
-        chosen: list[Sample] = []
-        used: set[int] = set()
-        for attempt in range(8):
-            self._select(chosen, used, allow_single=attempt >= 4)
-            if len(chosen) == self.batch_size:
+        if self.batch_size == 0:
+            return []
+        self._fill()
+        for _ in range(2):
+            chosen = self._select()
+            if chosen is not None:
                 return chosen
-            self._fill(self.size + self.batch_size)
-        raise RuntimeError(
-            f"could not fill a batch of {self.batch_size} from distinct classes: the pool of "
-            f"{self.size} images has too few classes; raise pool_images or lower the batch size"
-        )
+            read = 0  # the classes the part lacks may be further on: read one more pass, then give up
+            while read < self.pass_images:
+                read += self._ingest(self.stream.next_group())
+        raise RuntimeError(self._shortage())
 
-    def _select(self, chosen: list[Sample], used: set[int], allow_single: bool) -> None:
-        remaining = self.batch_size - len(chosen)
-        taken: set[int] = set()
-        for i in self.rng.permutation(len(self.pool)):
-            if remaining == 0:
-                break
-            part = self.pool[i]
-            cls, n = part[0].cls, len(part)
-            if cls in used:
-                continue
-            if n <= remaining and (remaining - n != 1 or allow_single):
-                chosen.extend(part)
-                taken.add(int(i))
-                remaining -= n
-            elif n > remaining and (remaining >= 2 or allow_single):
-                chosen.extend(part[:remaining])
-                rest = part[remaining:]
-                if len(rest) == 1:
-                    self.counters["dropped_remainder_images"] += 1
-                    taken.add(int(i))
-                else:
-                    self.pool[i] = rest
-                remaining = 0
+    def _select(self) -> list[Sample] | None:
+        """One piece per class, in a random order over the pool's pieces (so a class is drawn as often as
+        it has pieces: a pass over the data per epoch); None, with the pool untouched, when short."""
+        order = self.rng.permutation(len(self.pool))
+        items = _first_piece_per_class(self.pool, order)  # lazy: a full part rarely scans the whole pool
+        fill = Fill(self.batch_size)
+        cut: tuple[int, int] | None = None  # (pool index, images taken) of a piece cut to fit
+        if self.k is not None:  # pk: the piece that overflows is cut (pieces are cuts of a class anyway)
+            for item in items:
+                i, cls, size = item
+                if cls in fill.used:
+                    continue
+                if size <= fill.need and fill.need - size != 1:
+                    fill.take(item)
+                elif size > fill.need >= 2:
+                    cut, fill.need = (i, fill.need), 0
+                if fill.need == 0:
+                    break
+        else:
+            take_greedy(items, fill, fill.need)
+        if fill.need:  # short: every class of the pool is a candidate for an exchange or a cut
+            items = _first_piece_per_class(self.pool, order)
+        if fill.need and not repair(fill, items) and fill.need >= 2:
+            items = _first_piece_per_class(self.pool, order)
+            big = next((it for it in items if it[1] not in fill.used and it[2] > fill.need), None)
+            if big is not None:  # whole classes cannot add up: cut one, counted
+                cut, fill.need = (big[0], fill.need), 0
+                self.counters["cut_classes"] += 1
+        if fill.need:
+            return None
+        removed = {i for i, _, _ in fill.taken}
+        chosen = [s for i, _, _ in fill.taken for s in self.pool[i]]
+        if cut is not None:
+            i, n = cut
+            chosen += self.pool[i][:n]
+            rest = self.pool[i][n:]
+            if len(rest) < 2:
+                self.counters["dropped_remainder_images"] += len(rest)
+                removed.add(i)
             else:
-                continue
-            used.add(cls)
-        self.pool = [p for j, p in enumerate(self.pool) if j not in taken]
+                self.pool[i] = rest
+        for i in removed:
+            cls = self.pool[i][0].cls
+            self.pool_classes[cls] -= 1
+            if not self.pool_classes[cls]:
+                del self.pool_classes[cls]
+        self.pool = [p for j, p in enumerate(self.pool) if j not in removed]
         self.size = sum(len(p) for p in self.pool)
+        return chosen
+
+    def _shortage(self) -> str:
+        piece = f"piece of at most sampler.samples_per_class={self.k}" if self.k else "whole class"
+        head = (
+            f"{self.where} could not fill its part of {self.batch_size} images from distinct classes: its "
+            f"pool of {self.size} images holds {len(self.pool_classes)} classes; its shards hold "
+            f"{self.held_classes} classes of 2+ images, at most {self.capacity} images one {piece} each. "
+        )
+        if self.capacity < self.batch_size:
+            return (
+                head
+                + "The data cannot fill this part and the batch plan should have refused it: please report"
+            )
+        return (
+            head + f"Raise sampler.pool_images (now {self.pool_images}) so that more classes are held at once"
+        )
 
     def buffered_refs(self) -> list[list[int]]:
         return [r for part in self.pool for r in _refs(part)]
@@ -200,95 +279,61 @@ class PoolBatcher(Batcher):
         flat = iter(samples)
         self.pool = [[next(flat) for _ in range(n)] for n in state["part_sizes"]]
         self.size = sum(state["part_sizes"])
+        self.pool_classes = Counter(p[0].cls for p in self.pool)
 
 
-class _ShuffledRounds:
-    """A fixed list of batch plans visited once per round, in an order seeded by (seed, salt, round), so
-    every rank derives the same plan for a global step without communicating."""
-
-    def __init__(self, entries: list[Any], seed: int, salt: int) -> None:
-        self.entries = entries
-        self.seed = seed
-        self.salt = salt
-        self.round_length = len(entries)
-        self._cache: tuple[int, np.ndarray] | None = None
-
-    def entry(self, step: int) -> Any:
-        round_index, i = divmod(step, self.round_length)
-        if self._cache is None or self._cache[0] != round_index:
-            rng = np.random.default_rng([self.seed, self.salt, round_index])
-            self._cache = (round_index, rng.permutation(self.round_length))
-        return self.entries[int(self._cache[1][i])]
+def _first_piece_per_class(pool: list[list[Sample]], order: np.ndarray) -> Iterator[Item]:
+    """(pool index, class, images) of each class's first piece in `order`."""
+    seen: set[int] = set()
+    for i in order:
+        cls = pool[i][0].cls
+        if cls not in seen:
+            seen.add(cls)
+            yield int(i), cls, len(pool[i])
 
 
-class PairSchedule(_ShuffledRounds):
-    """FastAP epoch: every pair of categories `batches_per_pair` times, in a seeded order per round."""
-
-    def __init__(self, categories: list[int], batches_per_pair: int, seed: int) -> None:
-        if len(categories) < 2:
-            raise ValueError(f"hard sampling needs at least 2 usable categories, got {categories}")
-        self.pairs = list(combinations(sorted(categories), 2))
-        self.batches_per_pair = batches_per_pair
-        super().__init__([pair for pair in self.pairs for _ in range(batches_per_pair)], seed, salt=7)
-
-    def at(self, step: int) -> list[tuple[int, float]]:
-        """[(category, share of the batch)] for global step `step`."""
-        a, b = self.entry(step)
-        return [(a, 0.5), (b, 0.5)]
-
-
-class CategorySchedule(_ShuffledRounds):
-    """FastAP VehicleID epoch: labelled category c in round(2 N_c / M) batches (at least one), each
-    paired with unlabelled classes (category -1)."""
-
-    def __init__(self, category_images: dict[int, int], global_batch: int, seed: int) -> None:
-        if not category_images:
-            raise ValueError("vehicleid sampling needs labelled categories that every consumer holds")
-        entries = [
-            c
-            for c in sorted(category_images)
-            for _ in range(max(1, round(2 * category_images[c] / global_batch)))
-        ]
-        super().__init__(entries, seed, salt=11)
-
-    def at(self, step: int) -> list[tuple[int, float]]:
-        return [(self.entry(step), 0.5), (-1, 0.5)]
+Quota = list[tuple[int | None, int]]  # (category, images) of one part; None = any category
 
 
 class ReservoirBatcher(Batcher):
-    """`hard` and `vehicleid`: per-category buffers of class groups, filled from the stream, served on demand.
+    """`hard` and `vehicleid`: per-category buffers of whole class groups, filled from the stream and served
+    by the quota the plan gives this worker in each step ((category, images) pairs).
 
-    Each step reads `batch_size` new images (so an epoch of steps reads about an epoch of data) and then
-    serves the categories the shared schedule names. Unserved groups are preferred; served ones stay as
-    a fallback for categories this consumer holds little of, and are evicted first when a buffer is full.
+    Each step reads as many new images as its part (so an epoch of steps reads about an epoch of data),
+    then fills the quota with whole classes: unserved groups first; served ones stay as a fallback for
+    categories this worker holds little of, and are evicted first when a buffer is full. Whole classes
+    that cannot add up to a category's share exactly leave the rest to the other category; a class is
+    cut only when no exchange of classes fills the part (counted as `cut_classes`).
     """
 
     def __init__(
         self,
         stream: GroupStream,
-        batch_size: int,
         spec: SamplerSpec,
         seed: int,
-        schedule: PairSchedule | CategorySchedule,
+        where: str,
+        quota: Callable[[int], Quota],
         local_counts: dict[int, int],
+        largest_quota: dict[int, int],
+        part: int,
     ) -> None:
-        super().__init__(stream, batch_size, spec, seed)
-        self.schedule = schedule
+        super().__init__(stream, part, spec, seed, where)
+        self.quota = quota
         total = max(1, sum(local_counts.values()))
+        served = {c: n for c, n in local_counts.items() if c in largest_quota}
         self.capacity = {
-            c: max(batch_size, math.ceil(self.pool_images * n / total)) for c, n in local_counts.items()
+            c: max(largest_quota[c], math.ceil(self.pool_images * n / total)) for c, n in served.items()
         }
-        # Reading ahead cannot find more of c than this consumer holds: stop once all of it is buffered.
-        self.reachable = {c: min(self.capacity[c], n) for c, n in local_counts.items()}
-        self.pass_images = total  # reading this far ahead has seen every image this consumer holds
-        local_share = local_counts
-        self.fresh: dict[int, list[list[Sample]]] = {c: [] for c in local_share}
-        self.used: dict[int, deque[list[Sample]]] = {c: deque() for c in local_share}
+        # Reading ahead cannot find more of c than this worker holds: stop once all of it is buffered.
+        self.reachable = {c: min(self.capacity[c], n) for c, n in served.items()}
+        self.pass_images = total  # reading this far ahead has seen every image this worker holds
+        self.fresh: dict[int, list[list[Sample]]] = {c: [] for c in served}
+        self.used: dict[int, deque[list[Sample]]] = {c: deque() for c in served}
         self.size: Counter[int] = Counter()
 
     def _ingest(self, group: Group) -> int:
         c = group.category
-        if c not in self.fresh:  # a category outside the schedule (e.g. too rare to serve on every rank)
+        if c not in self.fresh:  # a category that is never scheduled (e.g. too small for any batch)
             self.counters["unscheduled_images"] += len(group.samples)
             return len(group.samples)
         if len(group.samples) < 2:
@@ -306,51 +351,76 @@ class ReservoirBatcher(Batcher):
         return len(group.samples)
 
     def next_batch(self, step: int) -> list[Sample]:
+        quota = [(c, n) for c, n in self.quota(step) if n > 0]
+        part = sum(n for _, n in quota)
+        if part == 0:
+            return []
         read = 0
-        while read < self.batch_size:
+        # Empty buffers (the first step) are primed with a pool's worth; later steps read one part.
+        target = part if sum(self.size.values()) else max(part, min(self.pool_images, self.pass_images))
+        while read < target:
             read += self._ingest(self.stream.next_group())
-        plan = self.schedule.at(step)
-        first = round(self.batch_size * plan[0][1])
-        chosen = self._serve(plan[0][0], first)
-        chosen += self._serve(plan[1][0], self.batch_size - len(chosen))
-        if len(chosen) < self.batch_size:  # still short: the other category's fresh images then repeats
-            chosen += self._serve(plan[0][0], self.batch_size - len(chosen), exclude={s.cls for s in chosen})
+        for c, n in quota:
+            if c is not None:
+                self._read_ahead(c, n)
+        fill = Fill(part)
+        for c, n in quota:  # each category's share, as exactly as its whole classes allow
+            share = Fill(n, fill.used)
+            take_greedy(self._items(c), share, n)
+            repair(share, self._items(c))
+            fill.taken += share.taken
+            fill.need -= n - share.need
+        planned = [c for c, _ in quota]
+        repair(fill, self._items(*planned))  # the planned categories, past their shares where needed
+        chosen: list[Sample] = [s for (_, group), _, _ in fill.taken for s in group]
+        for categories in (planned, [None]):
+            if fill.need >= 2:  # no exchange of whole classes fills the part: cut a larger class (counted)
+                items = self._items(*categories)
+                big = next((it for it in items if it[1] not in fill.used and it[2] > fill.need), None)
+                if big is not None:
+                    chosen += big[0][1][: fill.need]
+                    fill.need = 0
+                    self.counters["cut_classes"] += 1
+            for handle, cls, size in self._items(*categories):  # what still fits whole
+                if fill.need and cls not in fill.used and size <= fill.need:
+                    fill.take((handle, cls, size))
+                    chosen += handle[1]
+        self.counters["off_plan_images"] += sum(size for (c, _), _, size in fill.taken if c not in planned)
         if not chosen:
-            raise RuntimeError(f"no images of categories {[c for c, _ in plan]} on this consumer")
-        while len(chosen) < self.batch_size:
+            raise RuntimeError(f"{self.where}: no class of 2+ images of categories {planned} is buffered")
+        while len(chosen) < part:  # the part must have its size: repeat images (counted)
             self.counters["repeated_images"] += 1
             chosen.append(chosen[int(self.rng.integers(len(chosen)))])
+        self._mark_served([handle for handle, _, _ in fill.taken])
         return chosen
 
-    def _serve(self, c: int, need: int, exclude: set[int] | None = None) -> list[Sample]:
-        """`need` images of category c from distinct classes: unserved groups first, then served ones."""
-        out: list[Sample] = []
-        classes = set(exclude or ())
-        read_ahead = 0
+    def _read_ahead(self, c: int, need: int) -> None:
+        if c not in self.fresh:
+            return
+        read = 0
         while (
-            self._available(self.fresh[c], classes) < need
+            sum(len(g) for g in self.fresh[c]) < need
             and self.size[c] < self.reachable[c]
-            and read_ahead < self.pass_images
+            and read < self.pass_images
         ):
-            read_ahead += self._ingest(self.stream.next_group())
-        for source in (self.fresh[c], self.used[c]):
-            for i in self.rng.permutation(len(source)):
-                if len(out) >= need:
-                    break
-                group = source[i]
-                if group[0].cls in classes:
-                    continue
-                out.extend(group[: need - len(out)])
-                classes.add(group[0].cls)
-        served = {g[0].cls for g in self.fresh[c] if g[0].cls in classes}
-        moved = [g for g in self.fresh[c] if g[0].cls in served]
-        self.fresh[c] = [g for g in self.fresh[c] if g[0].cls not in served]
-        self.used[c].extend(moved)
-        return out
+            read += self._ingest(self.stream.next_group())
 
-    @staticmethod
-    def _available(groups: list[list[Sample]], exclude: set[int]) -> int:
-        return sum(len(g) for g in groups if g[0].cls not in exclude)
+    def _items(self, *categories: int | None) -> Iterator[Item]:
+        """Groups of `categories` (None: every category) as fill items: unserved ones in a random order,
+        then served ones in a random order."""
+        cats = sorted(self.fresh) if None in categories else [c for c in categories if c in self.fresh]
+        for source in (self.fresh, self.used):
+            groups = [(c, g) for c in cats for g in source[c]]
+            for i in self.rng.permutation(len(groups)):
+                c, g = groups[i]
+                yield (c, g), g[0].cls, len(g)
+
+    def _mark_served(self, handles: list[tuple[int, list[Sample]]]) -> None:
+        for c in {c for c, _ in handles}:
+            ids = {id(g) for cat, g in handles if cat == c}
+            moved = [g for g in self.fresh[c] if id(g) in ids]
+            self.fresh[c] = [g for g in self.fresh[c] if id(g) not in ids]
+            self.used[c].extend(moved)
 
     def buffered_refs(self) -> list[list[int]]:
         refs = []
@@ -379,7 +449,13 @@ class TripletBatcher(Batcher):
     """Deep Ranking Alg. 1: each incoming image enters its category's reservoir (key u^(1/r), r = 1 here:
     plain class labels carry no graded relevance) and then yields one triplet from that reservoir: a query,
     a positive of the same class, and a negative from the same category (share `in_category_negatives`)
-    or from the other reservoirs. The batch is [q0, p0, n0, q1, p1, n1, ...]."""
+    or from the other reservoirs. The batch is [q0, p0, n0, q1, p1, n1, ...].
+
+    Alg. 1 reads a stream of single images, but the group stream delivers whole classes in a row; fed
+    directly, a batch's queries would come from the 3-4 classes just read. Incoming images are therefore
+    drawn at random from a window of `mix_images` buffered images (many classes), which restores an
+    image-level stream order.
+    """
 
     def __init__(
         self,
@@ -387,17 +463,19 @@ class TripletBatcher(Batcher):
         batch_size: int,
         spec: SamplerSpec,
         seed: int,
+        where: str,
         local_share: dict[int, float],
     ) -> None:
-        super().__init__(stream, batch_size, spec, seed)
+        super().__init__(stream, batch_size, spec, seed, where)
         if batch_size % 3:
             raise ValueError(
-                f"triplet batches hold whole triplets: batch size {batch_size} is not a multiple of 3"
+                f"triplet batches hold whole triplets: part size {batch_size} is not a multiple of 3"
             )
         self.capacity = {c: max(16, math.ceil(self.pool_images * s)) for c, s in local_share.items()}
         self.buffers: dict[int, list[Sample]] = {}
         self.keys: dict[int, list[float]] = {}
-        self.pending: list[Sample] = []
+        self.pending: list[Sample] = []  # the mixing window of incoming images
+        self.mix_images = max(batch_size, self.pool_images // 2)
 
     def _insert(self, sample: Sample) -> int:
         c = sample.category
@@ -417,7 +495,10 @@ class TripletBatcher(Batcher):
         others = [o for o in sorted(self.buffers) if o != c and self.buffers[o]]
         for _ in range(tries):
             query = buf[int(self.rng.integers(len(buf)))]
-            positives = [s for s in buf if s.cls == query.cls and s is not query]
+            # by shard position, not identity: a resumed buffer holds one object per image, and a stream
+            # that wrapped around may have put a second copy of the query in (never its own positive)
+            where = (query.shard, query.member)
+            positives = [s for s in buf if s.cls == query.cls and (s.shard, s.member) != where]
             if not positives:
                 continue
             positive = positives[int(self.rng.integers(len(positives)))]
@@ -434,12 +515,18 @@ class TripletBatcher(Batcher):
         self.counters["images_without_triplet"] += 1
         return None
 
+    def _next_image(self) -> Sample:
+        """A random image of the mixing window, refilled with whole groups from the stream."""
+        while len(self.pending) < self.mix_images:
+            self.pending.extend(self.stream.next_group().samples)
+        i = int(self.rng.integers(len(self.pending)))
+        self.pending[i], self.pending[-1] = self.pending[-1], self.pending[i]
+        return self.pending.pop()
+
     def next_batch(self, step: int) -> list[Sample]:
-        out: list[Sample] = []
+        out: list[Sample] = []  # a part of 0 images (a worker with no share of this batch) reads nothing
         while len(out) < self.batch_size:
-            if not self.pending:
-                self.pending = list(self.stream.next_group().samples)
-            triplet = self._triplet(self._insert(self.pending.pop(0)))
+            triplet = self._triplet(self._insert(self._next_image()))
             if triplet:
                 out.extend(triplet)
         return out

@@ -1,10 +1,11 @@
 """Per-consumer streaming: which shards a (rank, loader worker) reads, and the endless stream of class groups.
 
-A consumer is one DataLoader worker of one rank. Shard i goes to consumer i mod (ranks x workers), a fixed
-assignment computable from `dataset.json` alone, so every rank knows what every other rank can serve
-(the FastAP pair schedule needs that) without communication. Each consumer reads its shards over and over
-(a new seeded order per pass), so no rank ever runs dry: the number of steps per epoch is a plan, not a
-property of the data a rank happens to hold.
+A consumer is one DataLoader worker of one rank. Shard i goes to rank i mod ranks, and a rank's shards are
+dealt over its loader workers in turn: a fixed assignment computable from `dataset.json` alone, so every
+process knows what every other one holds (the batch plan needs that) without communication, and ranks
+hold within one shard of the same data whatever the number of loader workers. Each consumer reads its
+shards over and over (a new seeded order per pass), so no rank ever runs dry: the number of steps per
+epoch is a plan, not a property of the data a rank happens to hold.
 """
 
 from __future__ import annotations
@@ -57,20 +58,14 @@ def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tupl
     return 0, 1
 
 
-def consumer_shards(num_shards: int, consumer: int, num_consumers: int) -> list[int]:
-    """Shard indices read by `consumer` (round-robin, so the writer's category dealing carries over)."""
-    return list(range(consumer, num_shards, num_consumers))
+def rank_shards(num_shards: int, rank: int, world_size: int) -> list[int]:
+    """Shard indices of `rank` (round-robin, so the writer's category dealing carries over to ranks)."""
+    return list(range(rank, num_shards, world_size))
 
 
-def check_enough_shards(split: str, num_shards: int, world_size: int, workers: int) -> None:
-    """Fail before any process starts when some consumer would get no shard (it would hang the others)."""
-    consumers = world_size * workers
-    if num_shards < consumers:
-        raise ValueError(
-            f"split {split!r} has {num_shards} shard(s) but {world_size} rank(s) x {workers} loader "
-            f"worker(s) = {consumers} consumers need at least one each: re-run `dmltrain prepare` with a "
-            f"smaller --shard-size, or use fewer loader workers"
-        )
+def consumer_shards(num_shards: int, rank: int, world_size: int, worker: int, workers: int) -> list[int]:
+    """Shard indices read by loader worker `worker` of `rank`: every `workers`-th of the rank's shards."""
+    return rank_shards(num_shards, rank, world_size)[worker::workers]
 
 
 class GroupStream:

@@ -1,21 +1,36 @@
 """Image decoding and the papers' augmentations, on uint8 tensors (torchvision.transforms.v2).
 
-Train: RandomResizedCrop (scale 0.16-1 as in FastAP/Smooth-AP code, 0.5-1 in RLL) + horizontal flip.
-Test: resize + single centre crop. Images stay uint8 so batches are 4x smaller to move between processes;
-the trainer's `preprocess` turns them into normalised floats on the device.
+Two geometries (`resize_mode`):
+- ``"shorter_side"``: train takes a RandomResizedCrop of the original image; test resizes the shorter side
+  and takes the centre crop (the aspect ratio is kept).
+- ``"warp"``: every image is first warped to ``resize x resize`` (256 x 256 for 224 crops), ignoring its
+  aspect ratio, then train takes a RandomResizedCrop of the warped image and test its centre crop: FastAP
+  Sec. 5.1, Smooth-AP Sec. 5.3 and RLL Sec. 4.1.2 all do this.
+Train crops use scale 0.16-1 (FastAP/Smooth-AP) or 0.5-1 (RLL 4.1.2) with a horizontal flip. Images stay
+uint8 so batches are 4x smaller to move between processes; the trainer's `preprocess` turns them into
+normalised floats on the device.
+
+The train augmentation is a `TrainAugment`: its random parameters are drawn (`draw`, from torch's CPU
+generator, exactly the draws of torchvision's RandomResizedCrop + RandomHorizontalFlip) apart from applying
+them (`apply`, on a tensor on any device), so the GPU decode path (`dmltrain.data.device_decode`) draws
+the crops in the loader workers and applies them on the GPU: a seed gives the same crops either way.
 """
 
 from __future__ import annotations
 
 import io
 from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 from PIL import Image
 from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+ResizeMode = Literal["shorter_side", "warp"]
+RESIZE_MODES: tuple[ResizeMode, ...] = ("shorter_side", "warp")
 
 
 def decode(data: bytes) -> torch.Tensor:
@@ -28,19 +43,93 @@ def decode(data: bytes) -> torch.Tensor:
     return torch.from_numpy(array).permute(2, 0, 1)
 
 
+def default_resize(size: int) -> int:
+    """The papers' 256 for 224 crops, scaled to other crop sizes."""
+    return round(size * 256 / 224)
+
+
+def _check_mode(resize_mode: str) -> None:
+    if resize_mode not in RESIZE_MODES:
+        raise ValueError(f"resize_mode must be one of {RESIZE_MODES}, got {resize_mode!r}")
+
+
+class CropFlip(NamedTuple):
+    """One image's augmentation: the crop box (pixels of the decoded image, or of the warped square in warp
+    mode) and whether to flip it."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+    flip: bool
+
+
+class TrainAugment:
+    """RandomResizedCrop to `size` (antialiased) + horizontal flip, of the original image or, with
+    ``resize_mode="warp"``, of the image first warped to `resize` x `resize` (aspect ratio ignored), with
+    the random draw apart from the pixel work. Called on an image it is the torchvision v2 pipeline it
+    replaces ([Resize,] RandomResizedCrop, RandomHorizontalFlip): the same generator calls in the same order
+    (crop, then the flip's coin), so a seed gives the same crops as before."""
+
+    def __init__(
+        self,
+        size: int = 224,
+        scale: tuple[float, float] = (0.16, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        flip: bool = True,
+        *,
+        resize_mode: ResizeMode = "shorter_side",
+        resize: int | None = None,
+    ) -> None:
+        _check_mode(resize_mode)
+        self.size = size
+        self.flip = flip
+        self.warp = (resize or default_resize(size)) if resize_mode == "warp" else None
+        self._crop = v2.RandomResizedCrop(size, scale=scale, ratio=ratio, antialias=True)
+
+    def draw(self, height: int, width: int) -> CropFlip:
+        """Parameters for an image of `height` x `width`, from torch's default CPU generator."""
+        if self.warp is not None:
+            height = width = self.warp
+        shape_only = torch.empty(1, dtype=torch.uint8).expand(1, height, width)  # no pixels allocated
+        # make_params is public from torchvision 0.21 on; older versions call it _get_params.
+        make_params = getattr(self._crop, "make_params", None) or self._crop._get_params
+        box = make_params([shape_only])
+        flip = self.flip and bool(torch.rand(1) < 0.5)  # RandomHorizontalFlip(p=0.5)'s coin
+        return CropFlip(box["top"], box["left"], box["height"], box["width"], flip)
+
+    def apply(self, image: torch.Tensor, params: CropFlip) -> torch.Tensor:
+        """uint8 (C, H, W) on any device -> uint8 (C, size, size)."""
+        if self.warp is not None:
+            image = F.resize(image, [self.warp, self.warp], antialias=True)
+        top, left, height, width, flip = params
+        out = F.resized_crop(image, top, left, height, width, [self.size, self.size], antialias=True)
+        return F.horizontal_flip(out) if flip else out
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return self.apply(image, self.draw(*image.shape[-2:]))
+
+
 def train_transform(
     size: int = 224,
     scale: tuple[float, float] = (0.16, 1.0),
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
     flip: bool = True,
+    *,
+    resize_mode: ResizeMode = "shorter_side",
+    resize: int | None = None,
+) -> TrainAugment:
+    """RandomResizedCrop to ``size`` (+ flip) of the original, or of the image warped to ``resize`` squared
+    (``resize_mode="warp"``; ``resize`` defaults to `default_resize(size)`)."""
+    return TrainAugment(size, scale, ratio, flip, resize_mode=resize_mode, resize=resize)
+
+
+def test_transform(
+    size: int = 224, resize: int | None = None, resize_mode: ResizeMode = "shorter_side"
 ) -> Transform:
-    steps: list[Transform] = [v2.RandomResizedCrop(size, scale=scale, ratio=ratio, antialias=True)]
-    if flip:
-        steps.append(v2.RandomHorizontalFlip())
-    return v2.Compose(steps)
-
-
-def test_transform(size: int = 224, resize: int | None = None) -> Transform:
-    """Shorter side to `resize` (default size x 256/224, the papers' 256 for 224 crops), centre crop."""
-    resize = resize or round(size * 256 / 224)
-    return v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(size)])
+    """Shorter side to ``resize`` (or, with ``resize_mode="warp"``, the whole image to ``resize`` squared),
+    then the centre crop of ``size``; ``resize`` defaults to `default_resize(size)`."""
+    _check_mode(resize_mode)
+    side = resize or default_resize(size)
+    first = v2.Resize((side, side) if resize_mode == "warp" else side, antialias=True)
+    return v2.Compose([first, v2.CenterCrop(size)])

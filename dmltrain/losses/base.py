@@ -14,12 +14,14 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from dmltrain.losses._budget import DEFAULT_MEMORY_BUDGET_MB, memory_budgets
 from dmltrain.losses._rowwise import RowKernel, rowwise_terms
+from dmltrain.losses._streamed import StreamKernel, streamed_terms
+
+__all__ = ["DEFAULT_MEMORY_BUDGET_MB", "LossParts", "RankingLoss"]
 
 Reduction = Literal["mean", "sum", "none"]
 _REDUCTIONS = ("mean", "sum", "none")
-# Working memory of one block of queries (the saved B_q x N Jacobian comes on top). See _rowwise.py.
-DEFAULT_MEMORY_BUDGET_MB = 64.0
 
 
 @dataclass(frozen=True)
@@ -46,20 +48,41 @@ class LossParts:
 class RankingLoss(nn.Module, ABC):
     """Base class: each row is a query, the other rows (or an explicit gallery) its retrieval set.
 
-    Subclasses provide a `RowKernel`; this class validates inputs, casts to the compute dtype (float32, or
-    float64 when given float64 so that `torch.autograd.gradcheck` works), runs the block-wise evaluation and
-    applies the reduction.
+    Subclasses provide a `RowKernel` and a `StreamKernel`; this class validates inputs, casts to the compute
+    dtype (float32, or float64 when given float64 so that `torch.autograd.gradcheck` works), runs the
+    block-wise evaluation and applies the reduction.
+
+    Memory: ``memory_budget_mb`` bounds one block's temporaries (None: 64 MB on CPU; on CUDA 1/8 of the
+    device's available memory within [64 MB, 2 GB]). ``saved_budget_mb`` bounds what is kept for backward,
+    the ``queries x references`` Jacobian; above it the loss streams column tiles and recomputes them in
+    backward (same values and gradients up to float rounding, about twice the similarity work). None: the
+    host's available memory on CPU (so CPU calls that fit behave as before), half the device's available
+    memory on CUDA.
     """
 
-    def __init__(self, *, memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB) -> None:
+    def __init__(
+        self, *, memory_budget_mb: float | None = None, saved_budget_mb: float | None = None
+    ) -> None:
         super().__init__()
-        if not memory_budget_mb > 0:
-            raise ValueError(f"memory_budget_mb must be positive, got {memory_budget_mb!r}")
-        self.memory_budget_mb = float(memory_budget_mb)
+        for name, value in (("memory_budget_mb", memory_budget_mb), ("saved_budget_mb", saved_budget_mb)):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if value is not None and not (number and value > 0):
+                raise ValueError(f"{name} must be positive or None (device default), got {value!r}")
+        self.memory_budget_mb = None if memory_budget_mb is None else float(memory_budget_mb)
+        self.saved_budget_mb = None if saved_budget_mb is None else float(saved_budget_mb)
 
     @abstractmethod
     def _kernel(self) -> RowKernel:
         """The per-block computation with the loss's current hyper-parameters."""
+
+    @abstractmethod
+    def _stream_kernel(self) -> StreamKernel:
+        """The column-streamed form of the same computation (used when the Jacobian would not fit)."""
+
+    def streams(self, num_queries: int, num_refs: int, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a differentiable call of this size on ``device`` would stream column tiles."""
+        _, saved = memory_budgets(device, self.memory_budget_mb, self.saved_budget_mb)
+        return num_queries * num_refs * _compute_dtype(dtype).itemsize > saved
 
     def forward(
         self,
@@ -113,8 +136,12 @@ class RankingLoss(nn.Module, ABC):
         queries, q_labels, refs, r_labels, self_col = _validated(
             embeddings, labels, ref_embeddings, ref_labels, query_index
         )
-        budget_bytes = int(self.memory_budget_mb * 2**20)
-        return rowwise_terms(queries, refs, q_labels, r_labels, self_col, self._kernel(), budget_bytes)
+        block, saved = memory_budgets(queries.device, self.memory_budget_mb, self.saved_budget_mb)
+        differentiable = torch.is_grad_enabled() and (queries.requires_grad or refs.requires_grad)
+        if differentiable and queries.shape[0] * refs.shape[0] * queries.element_size() > saved:
+            kernel = self._stream_kernel()
+            return streamed_terms(queries, refs, q_labels, r_labels, self_col, kernel, block)
+        return rowwise_terms(queries, refs, q_labels, r_labels, self_col, self._kernel(), block)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -11,10 +11,14 @@ scatter-add (deterministic on any device).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import Tensor
 
 from dmltrain.losses._rowwise import BlockResult, QueryBlock, add_at_columns
-from dmltrain.losses.base import DEFAULT_MEMORY_BUDGET_MB, RankingLoss
+from dmltrain.losses._streamed import ColumnTile, RowGroup
+from dmltrain.losses.base import RankingLoss
 
 
 class _FastAPKernel:
@@ -103,6 +107,101 @@ class _FastAPKernel:
         add_at_columns(jac, pos_cols, pos_grad, where=pos_real)
 
 
+@dataclass
+class _FastAPState:
+    cum_all: Tensor  # (k, L+1) cumulative bin masses of all items, before the t < 0 correction
+    below_zero: Tensor  # (k, 1) the t < 0 correction
+    table: Tensor | None = None  # (k, L+3) dterm/ds per bin (see _FastAPKernel._jacobian)
+    d_all_sum: Tensor | None = None  # (k, 1) for items with t in (-1, 0)
+    pos_grad: Tensor | None = None  # (k, P) the positives' extra entries (they also move H+)
+
+
+class _FastAPStream:
+    """FastAP over column tiles: tiles add to the cumulative histogram H, positives give H+ directly."""
+
+    metric = "dot"
+
+    def __init__(self, num_bins: int) -> None:
+        self.num_bins = num_bins
+
+    def passes(self) -> int:
+        return 1
+
+    def start(self, group: RowGroup) -> _FastAPState:
+        k, L = group.queries.shape[0], self.num_bins
+        zeros = group.queries.new_zeros
+        return _FastAPState(cum_all=zeros(k, L + 1), below_zero=zeros(k, 1))
+
+    def _t(self, group: RowGroup, tile: ColumnTile) -> tuple[Tensor, float, Tensor]:
+        """Distance in bin widths with the query's own column moved outside every bin; max before the move."""
+        L = self.num_bins
+        t = tile.values.mul(-L / 2).add_(L / 2)
+        t_max = float(t.amax().item()) if t.numel() else 0.0
+        rows, cols = tile.self_hits(group)
+        t[rows, cols] = L + 2.0
+        return t, t_max, rows
+
+    def add_tile(self, state: _FastAPState, group: RowGroup, tile: ColumnTile, walk: int) -> None:
+        L = self.num_bins
+        t, t_max, self_rows = self._t(group, tile)
+        t_min = float(t.amin().item()) if t.numel() else 0.0
+        items = torch.full((t.shape[0],), float(t.shape[1]), dtype=t.dtype, device=t.device)
+        items[self_rows] -= 1.0
+        for level in range(L + 1):  # the same shortcuts as the unstreamed kernel, per tile
+            if level + 1 <= t_min:
+                continue
+            if level >= t_max:
+                state.cum_all[:, level] += items
+            else:
+                state.cum_all[:, level] += torch.rsub(t, level + 1).clamp_(0, 1).sum(1)
+        if t_min < 0:
+            state.below_zero += t.neg().clamp_(0, 1).sum(1, keepdim=True)
+
+    def finish(self, state: _FastAPState, group: RowGroup) -> BlockResult:
+        L = self.num_bins
+        n_pos, valid = group.n_pos, group.n_pos > 0
+        cum_all = state.cum_all - state.below_zero
+        t_pos = torch.where(group.pos_real, group.pos_values.mul(-L / 2).add_(L / 2), L + 2.0)
+        cum_pos = torch.stack([torch.rsub(t_pos, level + 1).clamp_(0, 1).sum(1) for level in range(L + 1)], 1)
+        cum_pos -= t_pos.neg().clamp_(0, 1).sum(1, keepdim=True)
+        h_pos = torch.diff(cum_pos, dim=1, prepend=torch.zeros_like(cum_pos[:, :1]))
+        safe = cum_all > 0
+        inv_all = torch.where(safe, 1.0 / torch.where(safe, cum_all, 1.0), 0.0)
+        prec, frac = cum_pos * inv_all, h_pos * inv_all
+        inv_npos = torch.where(valid, 1.0 / n_pos.clamp(min=1).to(cum_all.dtype), 0.0)
+        terms = torch.where(valid, 1.0 - (frac * cum_pos).sum(1) * inv_npos, 0.0)
+        # The Jacobian's per-row parts, exactly as _FastAPKernel._jacobian builds them.
+        d_all = -(frac * prec) * inv_npos[:, None]
+        prec_next = torch.cat((prec[:, 1:], torch.zeros_like(prec[:, :1])), dim=1)
+        d_pos = (frac + prec - prec_next) * inv_npos[:, None]
+        zero = torch.zeros_like(d_all[:, :1])
+        state.table = torch.cat((zero, d_all * (-L / 2), zero), dim=1)
+        state.d_all_sum = d_all.sum(1, keepdim=True) * (L / 2)
+        low = t_pos.floor()
+        pos_interior = torch.sub(t_pos, low).ceil_()
+        pos_idx = low.clamp_(-1, L + 1).long()
+        in_bins = ((pos_idx >= 0) & (pos_idx <= L)).to(t_pos.dtype)
+        pos_grad = torch.gather(d_pos, 1, pos_idx.clamp(0, L)) * (pos_interior * in_bins * (-L / 2))
+        tail = ((t_pos < 0) & (t_pos > -1)).to(t_pos.dtype)
+        pos_grad += tail * (d_pos.sum(1, keepdim=True) * (L / 2))
+        state.pos_grad = pos_grad
+        return BlockResult(terms=terms, count=valid.sum(), valid=valid)
+
+    def jacobian(self, state: _FastAPState, group: RowGroup, tile: ColumnTile) -> Tensor:
+        L = self.num_bins
+        assert state.table is not None and state.d_all_sum is not None and state.pos_grad is not None
+        t, _, _ = self._t(group, tile)
+        has_tail = bool((t < 0).any().item())
+        low = t.floor()
+        interior = torch.sub(t, low).ceil_()
+        idx = low.clamp_(-1, L + 1).add_(1).long()
+        jac = torch.gather(state.table, 1, idx).mul_(interior)
+        if has_tail:
+            jac += ((t < 0) & (t > -1)).to(t.dtype) * state.d_all_sum
+        tile.add_at_positives(group, jac, state.pos_grad)
+        return jac
+
+
 class FastAPLoss(RankingLoss):
     """FastAP loss ``1 - mean_q FastAP_q`` over queries with at least one positive.
 
@@ -115,14 +214,23 @@ class FastAPLoss(RankingLoss):
     items outside ``[-4/L, 4 + 4/L]`` fall outside every bin.
     """
 
-    def __init__(self, num_bins: int = 10, *, memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB) -> None:
-        super().__init__(memory_budget_mb=memory_budget_mb)
+    def __init__(
+        self,
+        num_bins: int = 10,
+        *,
+        memory_budget_mb: float | None = None,
+        saved_budget_mb: float | None = None,
+    ) -> None:
+        super().__init__(memory_budget_mb=memory_budget_mb, saved_budget_mb=saved_budget_mb)
         if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
             raise ValueError(f"num_bins must be a positive integer, got {num_bins!r}")
         self.num_bins = num_bins
 
     def _kernel(self) -> _FastAPKernel:
         return _FastAPKernel(self.num_bins)
+
+    def _stream_kernel(self) -> _FastAPStream:
+        return _FastAPStream(self.num_bins)
 
     def extra_repr(self) -> str:
         return f"num_bins={self.num_bins}"

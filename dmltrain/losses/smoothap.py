@@ -9,11 +9,15 @@ gradient is derived in closed form in the same pass, so nothing of size ``B x K 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from dmltrain.losses._rowwise import BlockResult, QueryBlock, add_at_columns
-from dmltrain.losses.base import DEFAULT_MEMORY_BUDGET_MB, RankingLoss
+from dmltrain.losses._streamed import ColumnTile, RowGroup
+from dmltrain.losses.base import RankingLoss
 
 
 class _SmoothAPKernel:
@@ -68,6 +72,92 @@ class _SmoothAPKernel:
         return BlockResult(terms=terms, count=valid.sum(), valid=valid)
 
 
+@dataclass
+class _SmoothAPState:
+    rank_all: Tensor  # (k, P) 1 + sum over the retrieval set of G[q, i, j]
+    slope_sum: Tensor  # (k, P) sum over the retrieval set of G (1 - G)
+    coef_ratio: Tensor | None = None  # (k, P) c_i * ratio_i (0 on padding)
+    pos_grad: Tensor | None = None  # (k, P) the positives' extra entries
+
+
+class _SmoothAPStream:
+    """Smooth-AP over column tiles: each tile adds to every (query, positive) rank sum; the positive-set
+    rank sums and the positives' extra Jacobian entries come from the positives' own similarities."""
+
+    metric = "dot"
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+
+    def passes(self) -> int:
+        return 1
+
+    def start(self, group: RowGroup) -> _SmoothAPState:
+        shape = group.pos_cols.shape
+        zeros = group.queries.new_zeros
+        return _SmoothAPState(rank_all=zeros(shape) + 1.0, slope_sum=zeros(shape))
+
+    def _slabs(self, group: RowGroup, tile: ColumnTile) -> Iterator[tuple[slice, slice, Tensor]]:
+        """(rows, positives, G) with G[q, i, j] = sigmoid((s_qj - s_qi) / tau), 0 for j = i and j = q."""
+        tau = self.temperature
+        scaled = tile.values / tau
+        s_pos = group.pos_values / tau
+        k, width = group.pos_cols.shape
+        row_step, pos_step = group.slab_steps(tile.values.shape[1])
+        self_rows, self_cols = tile.self_hits(group)
+        hit_rows, hit_slots, hit_cols = tile.positive_hits(group)
+        for r0 in range(0, k, row_step):
+            r1 = min(k, r0 + row_step)
+            for p0 in range(0, width, pos_step):
+                p1 = min(width, p0 + pos_step)
+                g = torch.sigmoid_(scaled[r0:r1, None, :] - s_pos[r0:r1, p0:p1, None])
+                sel = (hit_rows >= r0) & (hit_rows < r1) & (hit_slots >= p0) & (hit_slots < p1)
+                g[hit_rows[sel] - r0, hit_slots[sel] - p0, hit_cols[sel]] = 0.0  # j != i
+                sel = (self_rows >= r0) & (self_rows < r1)
+                g[self_rows[sel] - r0, :, self_cols[sel]] = 0.0  # the query itself is not retrieved
+                yield slice(r0, r1), slice(p0, p1), g
+
+    def add_tile(self, state: _SmoothAPState, group: RowGroup, tile: ColumnTile, walk: int) -> None:
+        for rows, pos, g in self._slabs(group, tile):
+            state.rank_all[rows, pos] += g.sum(2)
+            state.slope_sum[rows, pos] += g.addcmul_(g, g, value=-1.0).sum(2)
+
+    def finish(self, state: _SmoothAPState, group: RowGroup) -> BlockResult:
+        tau = self.temperature
+        k, width = group.pos_cols.shape
+        valid, real = group.n_pos > 0, group.pos_real
+        n_pos = group.n_pos.clamp(min=1).to(state.rank_all.dtype)
+        s_pos = group.pos_values / tau
+        ratio = torch.zeros_like(state.rank_all)
+        pos_grad = torch.zeros_like(state.rank_all)
+        coef = torch.where(real, -1.0 / (n_pos[:, None] * tau * state.rank_all), 0.0)
+        eye = torch.eye(width, dtype=torch.bool, device=s_pos.device)
+        step = max(1, group.chunk_elements // max(width * width, 1))
+        for r0 in range(0, k, step):  # G among the positives: (rows x P x P) in chunks
+            r = slice(r0, min(k, r0 + step))
+            mask = real[r, None, :] & real[r, :, None] & ~eye
+            g_pos = torch.sigmoid(s_pos[r, None, :] - s_pos[r, :, None]).mul_(mask)  # [q, i, j]
+            ratio[r] = (1.0 + g_pos.sum(2)) / state.rank_all[r]
+            slope_pos = g_pos.addcmul_(g_pos, g_pos, value=-1.0)
+            # d term / dG_ij = c_i ([j in P] - ratio_i), c_i = -1 / (n tau rank_all_i) (see _SmoothAPKernel)
+            through_i = coef[r] * (slope_pos.sum(2) - ratio[r] * state.slope_sum[r])
+            pos_grad[r] = torch.einsum("ki,kij->kj", coef[r], slope_pos) - through_i
+        ap_sum = (ratio * real).sum(1)
+        state.coef_ratio = coef * ratio
+        state.pos_grad = pos_grad
+        terms = torch.where(valid, 1.0 - ap_sum / n_pos, 0.0)
+        return BlockResult(terms=terms, count=valid.sum(), valid=valid)
+
+    def jacobian(self, state: _SmoothAPState, group: RowGroup, tile: ColumnTile) -> Tensor:
+        assert state.coef_ratio is not None and state.pos_grad is not None
+        jac = torch.zeros_like(tile.values)
+        for rows, pos, g in self._slabs(group, tile):
+            slope = g.addcmul_(g, g, value=-1.0)
+            jac[rows] -= torch.bmm(state.coef_ratio[rows, None, pos], slope).squeeze(1)
+        tile.add_at_positives(group, jac, state.pos_grad)
+        return jac
+
+
 class SmoothAPLoss(RankingLoss):
     """Smooth-AP loss ``mean_q (1 - AP_q)`` over queries with at least one positive (cosine similarity).
 
@@ -80,15 +170,22 @@ class SmoothAPLoss(RankingLoss):
     """
 
     def __init__(
-        self, temperature: float = 0.01, *, memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB
+        self,
+        temperature: float = 0.01,
+        *,
+        memory_budget_mb: float | None = None,
+        saved_budget_mb: float | None = None,
     ) -> None:
-        super().__init__(memory_budget_mb=memory_budget_mb)
+        super().__init__(memory_budget_mb=memory_budget_mb, saved_budget_mb=saved_budget_mb)
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
         self.temperature = float(temperature)
 
     def _kernel(self) -> _SmoothAPKernel:
         return _SmoothAPKernel(self.temperature)
+
+    def _stream_kernel(self) -> _SmoothAPStream:
+        return _SmoothAPStream(self.temperature)
 
     def extra_repr(self) -> str:
         return f"temperature={self.temperature}"

@@ -9,6 +9,7 @@ tracker's state is checkpointed, so patience survives a restart.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -16,8 +17,17 @@ SCORE_KEY = "checkpoint_score"
 
 
 def worst_score(mode: Literal["max", "min"]) -> float:
-    """The value that ranks last for Ray under ``mode``."""
-    return -math.inf if mode == "max" else math.inf
+    """The value that ranks last for Ray under ``mode``.
+
+    Finite on purpose: Ray Train keeps its checkpoint list in a JSON snapshot in storage, where an infinite
+    score becomes null, and a relaunch (driver loss, resubmission) then fails as soon as it registers a new
+    checkpoint against a restored one ("unsupported operand type(s) for *: 'float' and 'NoneType'")."""
+    return -sys.float_info.max if mode == "max" else sys.float_info.max
+
+
+def is_scored(value: Any) -> bool:
+    """Whether a reported ``checkpoint_score`` is a real evaluation (not :func:`worst_score`, NaN or null)."""
+    return isinstance(value, int | float) and math.isfinite(value) and abs(value) < sys.float_info.max
 
 
 def metric_names(evaluations: list[str], ks: tuple[int, ...]) -> list[str]:

@@ -87,14 +87,23 @@ def build_scheduler(
 
 
 def build_loss(cfg: LossConfig) -> RankingLoss:
-    """The configured ranking loss with the papers' argument names."""
+    """The configured ranking loss with the papers' argument names and the memory budgets."""
+    memory = {"memory_budget_mb": cfg.memory_budget_mb, "saved_budget_mb": cfg.saved_budget_mb}
     if isinstance(cfg, FastAPConfig):
-        return FastAPLoss(num_bins=cfg.num_bins)
+        return FastAPLoss(num_bins=cfg.num_bins, **memory)
     if isinstance(cfg, SmoothAPConfig):
-        return SmoothAPLoss(temperature=cfg.temperature)
+        return SmoothAPLoss(temperature=cfg.temperature, **memory)
     if isinstance(cfg, RankedListConfig):
-        return RankedListLoss(margin=cfg.margin, alpha=cfg.alpha, tn=cfg.tn, tp=cfg.tp, lam=cfg.lam)
-    return TripletLoss(margin=cfg.margin)
+        return RankedListLoss(
+            margin=cfg.margin,
+            alpha=cfg.alpha,
+            tn=cfg.tn,
+            tp=cfg.tp,
+            lam=cfg.lam,
+            gradient=cfg.gradient,
+            **memory,
+        )
+    return TripletLoss(margin=cfg.margin, triplets=cfg.triplets, **memory)
 
 
 def build_tn_schedule(cfg: LossConfig, loss: RankingLoss) -> TnSchedule | None:
@@ -108,7 +117,7 @@ def build_tn_schedule(cfg: LossConfig, loss: RankingLoss) -> TnSchedule | None:
 def build_test_transform(config: ExperimentConfig) -> Transform:
     """The test-time resize + centre crop of a run: evaluation, the served MLflow model and `dmltrain index`
     all take it from here, so they see images exactly alike."""
-    return test_transform(config.data.image_size, config.data.resize)
+    return test_transform(config.data.image_size, config.data.resize, config.data.resize_mode)
 
 
 def build_network(config: ModelConfig, pretrained: bool = True) -> EmbeddingNet:

@@ -3,6 +3,9 @@
 One directory per checkpoint, written by rank 0: ``state.pt`` (model, optimizer, schedule, step, counters)
 and one stream position per rank (``stream_rankNNNN.pt``), because each rank reads different shards and a
 resumed rank must continue its own stream rather than replay it.
+
+Checkpoint directories are named after their step (``checkpoint_000000300``), so a worker can tell which of
+two checkpoints is newer and find the one rank 0 recorded in MLflow (see ``WorkerLoop._restore``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,26 @@ from typing import Any
 import torch
 
 STATE_FILE = "state.pt"
+_DIR_PREFIX = "checkpoint_"
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """The directory Ray Train stores the checkpoint of ``step`` in, under ``<storage_path>/<run.name>``."""
+    return f"{_DIR_PREFIX}{step:09d}"
+
+
+def checkpoint_dir_step(path: str) -> int | None:
+    """The step of a checkpoint directory named by :func:`checkpoint_dir_name` (None for other names)."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    digits = name.removeprefix(_DIR_PREFIX)
+    return int(digits) if name.startswith(_DIR_PREFIX) and digits.isdigit() else None
+
+
+def checkpoint_uri(storage_path: str, run_name: str, step: int) -> str:
+    """Where the checkpoint of ``step`` lives: a local path or a URI (s3://...) like ``storage_path``."""
+    from dmltrain.data.urls import join_url
+
+    return join_url(join_url(storage_path, run_name), checkpoint_dir_name(step))
 
 
 def sampler_file(rank: int) -> str:

@@ -33,9 +33,25 @@ class DataConfig(_Section):
     )
     train_split: str = "train"
     image_size: int = Field(default=224, ge=8, description="Side of the square crop the network sees.")
-    resize: int | None = Field(default=None, ge=8, description="Test-time resize before the centre crop.")
+    resize: int | None = Field(
+        default=None,
+        ge=8,
+        description="Resize before cropping: the test-time shorter side (shorter_side) or the square every "
+        "image is warped to for train and test (warp); None = image_size x 256/224.",
+    )
+    resize_mode: Literal["shorter_side", "warp"] = Field(
+        default="shorter_side",
+        description="shorter_side: train crops the original, test keeps the aspect ratio; warp: every image "
+        "is first warped to resize x resize (FastAP 5.1, Smooth-AP 5.3, RLL 4.1.2).",
+    )
     crop_scale: tuple[float, float] = Field(default=(0.16, 1.0), description="RandomResizedCrop scale range.")
     loader_workers: int = Field(default=2, ge=0, description="DataLoader processes per Ray worker.")
+    decode: Literal["auto", "cpu", "gpu"] = Field(
+        default="auto",
+        description="Where training images are decoded and augmented: cpu = PIL in the loader workers; gpu = "
+        "JPEGs in batches on the worker's GPU (nvJPEG), the loader workers only sample, read and draw the "
+        "crops; auto = gpu on CUDA workers where torchvision decodes JPEGs, else cpu.",
+    )
 
     @model_validator(mode="after")
     def _check_scale(self) -> DataConfig:
@@ -71,15 +87,31 @@ class ModelConfig(_Section):
         default=None,
         description="None, a torchvision weights name (e.g. IMAGENET1K_V2, DEFAULT) or a local file path.",
     )
-    freeze_bn: bool = Field(default=True, description="BatchNorm in eval mode while training (papers).")
+    freeze_bn: bool = Field(
+        default=True,
+        description="BatchNorm in eval mode while training (papers). false: each chunk on each worker is "
+        "normalised with its own batch statistics, so the step is no longer the exact global-batch gradient "
+        "(it changes with train.chunk_size and scaling.num_workers).",
+    )
 
 
-class FastAPConfig(_Section):
+class _LossSection(_Section):
+    """Memory of the loss call; None = from the device (see dmltrain.losses.RankingLoss)."""
+
+    memory_budget_mb: float | None = Field(
+        default=None, gt=0, description="Working memory of one block of queries; None: 64 MB CPU, CUDA auto."
+    )
+    saved_budget_mb: float | None = Field(
+        default=None, gt=0, description="Most kept for backward; above it the loss streams column tiles."
+    )
+
+
+class FastAPConfig(_LossSection):
     name: Literal["fastap"]
     num_bins: int = Field(default=10, ge=1)
 
 
-class SmoothAPConfig(_Section):
+class SmoothAPConfig(_LossSection):
     name: Literal["smoothap"]
     temperature: float = Field(default=0.01, gt=0)
 
@@ -92,7 +124,7 @@ class TnScheduleConfig(_Section):
     steps: int = Field(ge=1)
 
 
-class RankedListConfig(_Section):
+class RankedListConfig(_LossSection):
     name: Literal["rll"]
     margin: float = Field(default=0.4, gt=0)
     alpha: float | None = None
@@ -100,11 +132,21 @@ class RankedListConfig(_Section):
     tp: float = 0.0
     lam: float = Field(default=0.5, ge=0, le=1)
     tn_schedule: TnScheduleConfig | None = None
+    gradient: Literal["both", "query"] = Field(
+        default="both",
+        description="both: both embeddings of every pair get gradient; query: only the query, the other "
+        "features are constants in its ranked list (RLL Sec. 3.2; skips the engine's gradient all-reduce).",
+    )
 
 
-class TripletConfig(_Section):
+class TripletConfig(_LossSection):
     name: Literal["triplet"]
     margin: float = Field(default=0.2, ge=0)
+    triplets: Literal["sampled", "all"] = Field(
+        default="sampled",
+        description="sampled: the triplet sampler's [q, p, n] triplets (Deep Ranking Eq. 8; needs "
+        "sampler.name=triplet); all: every valid in-batch triplet, averaged over the active ones.",
+    )
 
 
 LossConfig = Annotated[
@@ -133,8 +175,16 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(default=100, ge=1)
     eval_every: int = Field(default=500, ge=1)
     eval_at_start: bool = True
-    precision: Literal["auto", "fp32", "bf16"] = Field(
-        default="auto", description="auto = bf16 autocast on CUDA, fp32 on CPU."
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        default="auto",
+        description="auto = bf16 autocast on CUDA GPUs with bf16, fp16 with loss scaling on older ones, "
+        "fp32 on CPU.",
+    )
+    compile: bool | Literal["auto"] = Field(
+        default="auto", description="torch.compile the network; auto = on CUDA (eager fallback on failure)."
+    )
+    channels_last: bool | Literal["auto"] = Field(
+        default="auto", description="channels_last memory format; auto = convolutional networks on CUDA."
     )
     max_skipped_steps: int = Field(
         default=20, ge=0, description="Consecutive non-finite losses tolerated before the run fails."
@@ -258,6 +308,11 @@ class ExperimentConfig(_Section):
             )
         if self.train.global_batch_size // workers < self.sampler.samples_per_class:
             raise ValueError("each worker's batch must hold at least sampler.samples_per_class images")
+        if self.data.decode == "gpu" and self.scaling.use_gpu is False:
+            raise ValueError(
+                "data.decode=gpu decodes on the training workers' GPUs, but scaling.use_gpu=false: "
+                "set data.decode=auto or cpu"
+            )
         if self.sampler.name == "hard" and self.train.global_batch_size % 2:
             raise ValueError("sampler.name=hard splits the global batch in two halves: make it even")
         local = self.train.global_batch_size // workers
@@ -270,6 +325,12 @@ class ExperimentConfig(_Section):
         if self.sampler.name == "pk" and self.sampler.samples_per_class < 2:
             raise ValueError(
                 "sampler.samples_per_class must be >= 2 for sampler.name=pk (a class needs a pair)"
+            )
+        sampled = isinstance(self.loss, TripletConfig) and self.loss.triplets == "sampled"
+        if sampled and self.sampler.name != "triplet":
+            raise ValueError(
+                f"loss.triplets=sampled scores the triplet sampler's triplets but sampler.name is "
+                f"{self.sampler.name!r}: set sampler.name=triplet, or loss.triplets=all"
             )
         return self
 
@@ -315,22 +376,37 @@ def _deep_copy(value: Any) -> Any:
 
 
 def _describe_errors(error: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}:"]
+    """One line per key; a union such as ``bool | "auto"`` lists its alternatives on that line."""
+    found: dict[str, list[tuple[str, Any]]] = {}
     for item in error.errors():
-        key = ".".join(str(p) for p in item["loc"] if not (isinstance(p, str) and p in _UNION_TAGS))
+        key = ".".join(str(p) for p in item["loc"] if not _is_union_member(p))
         if item["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key (typo?)")
+            found.setdefault(key, []).append(("unknown key (typo?)", _NO_INPUT))
         elif item["type"] == "missing":
-            lines.append(f"  {key}: required key is missing")
+            found.setdefault(key, []).append(("required key is missing", _NO_INPUT))
         elif item["type"] == "value_error":  # a cross-field check: its message names the keys itself
-            message = str(item["msg"]).removeprefix("Value error, ")
-            lines.append(f"  {key}: {message}" if key else f"  {message}")
+            found.setdefault(key, []).append((str(item["msg"]).removeprefix("Value error, "), _NO_INPUT))
         else:
-            lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
+            found.setdefault(key, []).append((item["msg"], item.get("input")))
+    lines = [f"invalid config {source}:"]
+    for key, problems in found.items():
+        text = " or ".join(message for message, _ in problems)
+        value = problems[0][1]
+        lines.append(f"  {key}: {text}" if key else f"  {text}")
+        if value is not _NO_INPUT:
+            lines[-1] += f" (got {value!r})"
     return "\n".join(lines)
 
 
+_NO_INPUT = object()
 _UNION_TAGS = {"fastap", "smoothap", "rll", "triplet"}
+
+
+def _is_union_member(part: object) -> bool:
+    """A location step naming a union's member (loss kind, ``bool``, ``literal['auto']``), not a key."""
+    return isinstance(part, str) and (
+        part in _UNION_TAGS or part in {"bool", "int", "float"} or part.startswith("literal[")
+    )
 
 
 def config_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> ExperimentConfig:

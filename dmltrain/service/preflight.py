@@ -3,16 +3,16 @@ worker group that fails (and is retried) on every rank.
 
 Everything a worker would raise from its config or its data *layout* is raised here first: the model (a
 backbone typo, weights that do not exist or do not fit, built on PyTorch's meta device so nothing is
-allocated or downloaded), the sampler's batch plan against ``dataset.json`` (enough shards for every
-rank x loader worker, categories the sampler needs), and optional packages the run will import.
+allocated or downloaded), the sampler's batch plan against ``dataset.json`` (``dmltrain.data.check_batch``:
+enough shards for every rank x loader worker, enough classes and categories to fill the global batch),
+and optional packages the run will import.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-from dmltrain.data import DatasetInfo, SamplerSpec, ensure_glyphs, load_dataset_info
-from dmltrain.data.loader import TrainPlan
+from dmltrain.data import BatchError, DatasetInfo, SamplerSpec, check_batch, ensure_glyphs, load_dataset_info
 from dmltrain.models import check_model
 from dmltrain.service.best import resolve_best_metric
 from dmltrain.service.config import ConfigError, ExperimentConfig
@@ -58,16 +58,19 @@ def check_data(config: ExperimentConfig, info: DatasetInfo) -> None:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     try:
-        spec = SamplerSpec.from_config(config.sampler)
-        # Identical on every rank (workers build the same plan), so once here stands for all of them.
-        TrainPlan(
+        # Identical on every rank (workers build the same plan), so once here stands for all of them. A
+        # batch the data cannot fill is one line that already names the keys, the numbers and the data.
+        check_batch(
             info,
             split,
-            spec,
-            config.local_batch_size,
+            SamplerSpec.from_config(config.sampler),
+            config.train.global_batch_size,
             config.scaling.num_workers,
-            max(1, config.data.loader_workers),
+            config.data.loader_workers,
+            where=config.data.root,
         )
+    except BatchError as error:
+        raise ConfigError(_one_line(error)) from None
     except (ValueError, KeyError) as error:
         raise ConfigError(
             f"sampler.name={config.sampler.name} on {config.data.root}: {_one_line(error)}"

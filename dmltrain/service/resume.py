@@ -27,7 +27,8 @@ from dmltrain.service.config import ConfigError, ExperimentConfig, flatten
 from dmltrain.service.tracking import ExistingRun
 
 # Keys a resumed run may change: length, cadence, fault tolerance and pure execution settings that leave the
-# trained model unchanged (chunk_size: the engine computes the same global-batch gradient whatever it is).
+# trained model unchanged (chunk_size: the engine computes the same global-batch gradient whatever it is;
+# data.decode: the same samples, crops and flips, only the JPEG decoder differs).
 RESUMABLE_KEYS = frozenset(
     {
         "train.steps",
@@ -46,6 +47,7 @@ RESUMABLE_KEYS = frozenset(
         "scaling.omp_wait_policy",
         "scaling.topology",
         "data.prepare",
+        "data.decode",
         "mlflow.tracking_uri",
         "mlflow.log_checkpoints",
     }

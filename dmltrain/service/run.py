@@ -112,6 +112,23 @@ def prepare_data(config: ExperimentConfig) -> DatasetInfo:
     return info
 
 
+def batchnorm_note(config: ExperimentConfig) -> str | None:
+    """One line for the start of a run whose BatchNorm breaks the exact global-batch gradient, else None.
+
+    With ``model.freeze_bn: false`` training-mode BatchNorm normalises each forward chunk with that chunk's
+    statistics; that is the global batch's only when it is embedded in one chunk on one worker.
+    """
+    chunk = min(config.train.chunk_size, config.local_batch_size)
+    if config.model.freeze_bn or (config.scaling.num_workers == 1 and chunk == config.local_batch_size):
+        return None
+    return (
+        f"model.freeze_bn=false: BatchNorm normalises chunks of <= {chunk} images on each of "
+        f"{config.scaling.num_workers} worker(s) with their own statistics, so a step is not the exact "
+        f"gradient of the global batch of {config.train.global_batch_size} (it depends on "
+        "train.chunk_size and scaling.num_workers); set model.freeze_bn=true for the exact global-batch step"
+    )
+
+
 def _connect_ray() -> None:
     import ray
 
@@ -246,6 +263,10 @@ def launch(config: ExperimentConfig) -> RunOutcome:
         if problems:
             raise ConfigError("\n".join(problems))
 
+    note = batchnorm_note(config)
+    if note:
+        log.warning(note)
+
     key = run_key(config.run.storage_path, config.run.name)
     existing = find_run(tracking_uri, config.mlflow.experiment, key)
     checkpoints = count_ray_checkpoints(config.run.storage_path, config.run.name)
@@ -264,6 +285,11 @@ def launch(config: ExperimentConfig) -> RunOutcome:
     )
     if warning:
         log.warning("!!! %s !!!", warning)
+    if config.data.decode == "gpu" and not use_gpu:
+        raise ConfigError(
+            "data.decode=gpu decodes on the training workers' GPUs, but scaling.use_gpu=auto found no GPU "
+            "in the cluster: set data.decode=auto or cpu"
+        )
     config_dump = config.model_dump(mode="json")
     if existing is None:
         run_id = create_run(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -244,14 +245,29 @@ class RunLogger:
 
     def __init__(self, tracking_uri: str, run_id: str, asynchronous: bool = False) -> None:
         self.client = MlflowClient(tracking_uri)
+        self.tracking_uri = tracking_uri
         self.run_id = run_id
+        self._lock = threading.Lock()
+        run = self.client.get_run(run_id)
         # Highest step already stored per metric: replayed steps at or below it are not logged again.
         self._logged_through = {
-            key: max(m.step for m in self.client.get_metric_history(run_id, key))
-            for key in self.client.get_run(run_id).data.metrics
+            key: max(m.step for m in self.client.get_metric_history(run_id, key)) for key in run.data.metrics
         }
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlflow-log") if asynchronous else None
         self._pending: list[Future[None]] = []
+        step = run.data.tags.get(CHECKPOINT_STEP_TAG, "")
+        # The newest checkpoint known to be complete in Ray's storage (record_checkpoint).
+        self.checkpoint_step: int | None = int(step) if step.isdigit() else None
+
+    def record_checkpoint(self, step: int) -> None:
+        """Tag ``step`` as the newest checkpoint complete in storage. Called from Ray's upload thread when
+        uploads are asynchronous (hence its own client and the lock); an older step never overwrites a
+        newer one, whatever order uploads finish in."""
+        with self._lock:
+            if self.checkpoint_step is not None and step <= self.checkpoint_step:
+                return
+            MlflowClient(self.tracking_uri).set_tag(self.run_id, CHECKPOINT_STEP_TAG, str(step))
+            self.checkpoint_step = step
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Log ``metrics`` at ``step`` unless this step of that metric is already stored (a replay)."""

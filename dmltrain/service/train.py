@@ -14,17 +14,25 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
+from dmltrain.acceleration import (
+    compile_network,
+    compile_state,
+    resolve_channels_last,
+    resolve_compile,
+    resolve_precision,
+)
 from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
 from dmltrain.distributed import all_gather_objects, broadcast_object
-from dmltrain.engine import default_autocast_dtype, global_batch_step
+from dmltrain.engine import global_batch_step
 from dmltrain.models import EmbeddingNet, build_model, normalize_images
 from dmltrain.service.best import SCORE_KEY, BestTracker, resolve_best_metric, worst_score
 from dmltrain.service.builders import (
@@ -36,6 +44,9 @@ from dmltrain.service.builders import (
 )
 from dmltrain.service.checkpoints import (
     TrainingState,
+    checkpoint_dir_name,
+    checkpoint_dir_step,
+    checkpoint_uri,
     load_state,
     load_stream_state,
     save_state,
@@ -44,7 +55,8 @@ from dmltrain.service.checkpoints import (
 from dmltrain.service.config import ExperimentConfig
 from dmltrain.service.distributed_eval import evaluate
 from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
-from dmltrain.service.tracking import CHECKPOINT_STEP_TAG, RunLogger
+from dmltrain.service.prefetch import BatchPrefetcher
+from dmltrain.service.tracking import RunLogger
 
 log = logging.getLogger("dmltrain.service.train")
 
@@ -109,14 +121,20 @@ class _Counters:
 
     skipped_steps: int = 0
     empty_batches: int = 0
+    overflow_steps: int = 0  # fp16: updates the gradient scaler skipped (scaled gradients overflowed)
     consecutive_skips: int = 0
 
     def state_dict(self) -> dict[str, float]:
-        return {"skipped_steps": self.skipped_steps, "empty_batches": self.empty_batches}
+        return {
+            "skipped_steps": self.skipped_steps,
+            "empty_batches": self.empty_batches,
+            "overflow_steps": self.overflow_steps,
+        }
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.empty_batches = int(state.get("empty_batches", 0))
+        self.overflow_steps = int(state.get("overflow_steps", 0))
 
 
 class _PhaseTimes:
@@ -162,6 +180,14 @@ def _unwrap(model: nn.Module) -> EmbeddingNet:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model  # type: ignore[return-value]
 
 
+def _decode_mode(setting: str, device: torch.device) -> str:
+    """``data.decode`` for this worker: gpu needs a CUDA device (the library would run the same path on
+    a CPU device, which only tests want)."""
+    if setting == "gpu" and device.type != "cuda":
+        raise ValueError(f"data.decode=gpu but this worker's device is {device}: set data.decode=auto or cpu")
+    return setting
+
+
 def _grad_norm(parameters: list[nn.Parameter], clip: float | None) -> float:
     """Global gradient norm (clipping to ``clip`` if set); inf/NaN when a gradient is not finite."""
     grads = [p for p in parameters if p.grad is not None]
@@ -185,6 +211,12 @@ class WorkerLoop:
         torch.set_num_threads(config.scaling.torch_threads or max(1, int(config.scaling.cpus_per_worker)))
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
         model = build_model(config.model.backbone, config.model.embedding_dim, config.model.weights)
+        self.precision = resolve_precision(config.train.precision, self.device)
+        self.channels_last = resolve_channels_last(config.train.channels_last, self.device, model)
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if resolve_compile(config.train.compile, self.device):
+            compile_network(model)  # in place, before DDP wraps it (see dmltrain.acceleration)
         self.model = ray_ctx.prepare_model(model)
         self.net = _unwrap(self.model)
         self.params = [p for p in self.net.parameters() if p.requires_grad]
@@ -203,13 +235,20 @@ class WorkerLoop:
             num_workers=config.data.loader_workers,
             image_size=config.data.image_size,
             crop_scale=config.data.crop_scale,
+            resize_mode=config.data.resize_mode,
+            resize=config.data.resize,
             info=self.info,
+            decode=_decode_mode(config.data.decode, self.device),
+            device=self.device,
         )
-        self.autocast = (
-            default_autocast_dtype(self.device)
-            if config.train.precision == "auto"
-            else (torch.bfloat16 if config.train.precision == "bf16" else None)
-        )
+        log.info("rank %d: training images decoded on %s", self.rank, self.stream.decode_device or "the CPU")
+        # On CUDA the next batch is read and pinned while the step runs (asynchronous chunk copies), unless
+        # the loader already decodes it on the device one step ahead (data.decode=gpu with loader workers).
+        ahead = self.stream.decode == "gpu" and config.data.loader_workers > 0
+        prefetch = self.device.type == "cuda" and not ahead
+        self.batches = BatchPrefetcher(self.stream, pin=True) if prefetch else None
+        self.autocast = self.precision.autocast_dtype
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.grad_scaling else None
         self.counters = _Counters()
         best_metric = resolve_best_metric(
             config.train.best_metric, [e.name for e in self.info.evaluations], config.eval.ks
@@ -228,12 +267,39 @@ class WorkerLoop:
         self.times = _PhaseTimes()
         # Metrics go to MLflow from a background thread: a step never waits for the tracking store.
         self.logger = RunLogger(tracking_uri, run_id, asynchronous=True) if self.rank == 0 else None
+        if self.logger is not None:  # what data.decode resolved to (auto picks per worker)
+            device = self.stream.decode_device
+            self.logger.set_tag("dmltrain.data_decode", f"gpu ({device})" if device else "cpu")
         self._restore()
 
     # ------------------------------------------------------------------ resume / checkpoint
-    def _restore(self) -> None:
-        """Continue from Ray's latest checkpoint (after a failure or a relaunch), if there is one."""
+    def _checkpoint_to_restore(self) -> Any:
+        """Ray's latest checkpoint, or a newer one rank 0 recorded in MLflow that Ray never registered.
+
+        The Ray Train controller learns of a stored checkpoint only when it next polls the workers (every
+        couple of seconds). If the node of rank 0 (or the driver, with the controller) dies in between, Ray
+        restarts from the checkpoint before, although the newer one is complete in storage; rank 0 tags
+        each checkpoint in MLflow as soon as its copy in storage is complete, so take that one.
+        """
         checkpoint = self.ray.get_checkpoint()
+        recorded = broadcast_object(self.logger.checkpoint_step if self.logger is not None else None)
+        registered = checkpoint_dir_step(str(checkpoint.path)) if checkpoint is not None else None
+        if recorded is None or (checkpoint is not None and (registered is None or registered >= recorded)):
+            return checkpoint
+        uri = checkpoint_uri(self.config.run.storage_path, self.config.run.name, recorded)
+        if self.rank == 0:
+            log.warning(
+                "resuming from the step-%d checkpoint rank 0 stored (%s); Ray registered %s before the "
+                "failure",
+                recorded,
+                uri,
+                "none" if checkpoint is None else f"step {registered}",
+            )
+        return self.ray.checkpoint_at(uri)
+
+    def _restore(self) -> None:
+        """Continue from the latest checkpoint (after a failure or a relaunch), if there is one."""
+        checkpoint = self._checkpoint_to_restore()
         if checkpoint is None:
             return
         with checkpoint.as_directory() as directory:
@@ -248,6 +314,8 @@ class WorkerLoop:
             self.tn_schedule.load_state_dict(state.extra["tn_schedule"])
         if self.best is not None:
             self.best.load_state_dict(state.extra.get("best"))
+        if self.scaler is not None and state.extra.get("grad_scaler"):
+            self.scaler.load_state_dict(state.extra["grad_scaler"])
         try:
             if stream_state is None:
                 raise ValueError(f"the checkpoint has no stream state for rank {self.rank}")
@@ -263,7 +331,7 @@ class WorkerLoop:
         The report carries ``checkpoint_score`` (the best metric if this step was evaluated, else the worst
         value) for Ray's best-checkpoint bookkeeping. With asynchronous upload Ray copies the directory to
         storage in the background and then deletes it, so MLflow's optional copy is taken first."""
-        streams = all_gather_objects(self.stream.state_dict())
+        streams = all_gather_objects(self._stream_state())
         upload = self.config.run.checkpoint_upload
         report = {"step": self.step, **metrics}
         if self.best is not None:
@@ -287,14 +355,17 @@ class WorkerLoop:
                     extra={
                         "tn_schedule": self.tn_schedule.state_dict() if self.tn_schedule else None,
                         "best": self.best.state_dict() if self.best else None,
+                        "grad_scaler": self.scaler.state_dict() if self.scaler else None,
                     },
                 ),
             )
             if self.logger is not None and self.config.mlflow.log_checkpoints:
                 self.logger.log_directory(directory, "checkpoints/latest")
-            self.ray.report(report, directory, upload)
-            if self.logger is not None:  # the Ray checkpoint's step, whether or not MLflow has a copy
-                self.logger.set_tag(CHECKPOINT_STEP_TAG, str(self.step))
+            # Rank 0 tags the step in MLflow once Ray has copied the checkpoint to storage (inline when
+            # synchronous, in Ray's upload thread when not): a restart resumes from it even if Ray's
+            # controller never registered it (see _checkpoint_to_restore).
+            on_stored = partial(self.logger.record_checkpoint, self.step) if self.logger is not None else None
+            self.ray.report(report, directory, upload, checkpoint_dir_name(self.step), on_stored)
         finally:
             if upload == "sync":  # async: Ray deletes the directory once it is uploaded
                 shutil.rmtree(directory, ignore_errors=True)
@@ -336,10 +407,15 @@ class WorkerLoop:
         )
 
     # ------------------------------------------------------------------ training
+    def _stream_state(self) -> dict[str, Any]:
+        """Where the data stream stands after the last step's batch (not after a prefetched one)."""
+        return self.batches.state_dict() if self.batches is not None else self.stream.state_dict()
+
     def _train_step(self) -> _StepStats:
         cfg = self.config
         t0 = time.perf_counter()
-        images, labels, _categories = self.stream.next_batch()
+        source = self.batches if self.batches is not None else self.stream
+        images, labels, _categories = source.next_batch()
         data_seconds = time.perf_counter() - t0
         self.model.train()  # the engine keeps BatchNorm frozen during the step when model.freeze_bn is set
         self.optimizer.zero_grad(set_to_none=True)
@@ -356,13 +432,28 @@ class WorkerLoop:
             freeze_bn=cfg.model.freeze_bn,
             autocast_dtype=self.autocast,
             skip_nonfinite=True,
+            channels_last=self.channels_last,
+            grad_scaler=self.scaler,
         )
         t_update = time.perf_counter()
         loss = float(result.loss)
+        if self.scaler is not None and math.isfinite(loss):
+            self.scaler.unscale_(self.optimizer)  # true gradients for the norm, clipping and the update
         norm = _grad_norm(self.params, cfg.optim.grad_clip)
         if math.isfinite(loss) and math.isfinite(norm):
-            self.optimizer.step()
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
             self.counters.consecutive_skips = 0
+        elif self.scaler is not None and math.isfinite(loss):
+            # fp16: the scaled gradients overflowed. Not a diverging run: the scaler skips this update
+            # and lowers its scale (identical on every rank, the gradients are synced).
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.counters.overflow_steps += 1
         else:
             # Identical decision on every rank: the loss and the synced gradients are global.
             self.optimizer.zero_grad(set_to_none=True)
@@ -414,14 +505,33 @@ class WorkerLoop:
                 except Exception as exc:
                     log.warning("could not store the last queued metrics: %s", exc)
             raise
-        if self.logger is not None:
-            self.logger.close()  # the queued metrics are stored before the worker reports completion
+        else:
+            if self.logger is not None:
+                self.logger.close()  # the queued metrics are stored before the worker reports completion
+        finally:
+            if self.batches is not None:
+                self.batches.close()
+
+    def _describe_device(self) -> None:
+        """Rank 0 tags the MLflow run with what actually ran (after the first step: compile is lazy)."""
+        if self.logger is None:
+            return
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        tags = {
+            "dmltrain.device": f"{self.device} ({name})",
+            "dmltrain.precision": self.precision.name,
+            "dmltrain.channels_last": str(self.channels_last).lower(),
+            "dmltrain.compile": compile_state(self.net),
+            # what the workers actually run with (Ray and the environment can differ)
+            "dmltrain.torch_threads": str(torch.get_num_threads()),
+            "dmltrain.omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+        }
+        for key, value in tags.items():
+            self.logger.set_tag(key, value)
 
     def _run(self) -> None:
         cfg = self.config.train
-        if self.logger is not None:  # what the workers actually run with (Ray and the env can differ)
-            self.logger.set_tag("dmltrain.torch_threads", str(torch.get_num_threads()))
-            self.logger.set_tag("dmltrain.omp_wait_policy", os.environ.get("OMP_WAIT_POLICY", "unset"))
+        described = False
         if self.step == 0 and cfg.eval_at_start:
             with self.times.phase("eval"):
                 evaluated = self._evaluate()
@@ -430,6 +540,9 @@ class WorkerLoop:
         while self.step < cfg.steps:
             stats = self._train_step()
             self.times.add_step(stats)
+            if not described:
+                self._describe_device()
+                described = True
             if math.isfinite(stats.loss):
                 window.add(stats)
             last = self.step == cfg.steps
@@ -444,6 +557,11 @@ class WorkerLoop:
                         "train/empty_batches": self.counters.empty_batches,
                     }
                 )
+                if self.device.type == "cuda":  # GB = 1e9 bytes, peak allocated since the run started
+                    metrics["train/gpu_peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+                if self.scaler is not None:
+                    metrics["train/grad_scale"] = float(self.scaler.get_scale())
+                    metrics["train/overflow_steps"] = self.counters.overflow_steps
                 if self.tn_schedule is not None:
                     metrics["train/rll_tn"] = float(self.loss_fn.tn)
                 self._log(metrics)
@@ -511,14 +629,43 @@ class _RayContext:
 
         return ray.train.get_checkpoint()
 
-    def report(self, metrics: dict[str, float], directory: str | None, upload: str = "sync") -> None:
+    def report(
+        self,
+        metrics: dict[str, float],
+        directory: str | None,
+        upload: str = "sync",
+        name: str | None = None,
+        on_stored: Callable[[], None] | None = None,
+    ) -> None:
+        """``ray.train.report``; ``name`` is the checkpoint's directory in storage, and ``on_stored`` runs
+        once the checkpoint is completely there (before Ray's controller hears of it)."""
         import ray.train
 
         checkpoint = ray.train.Checkpoint.from_directory(directory) if directory else None
         mode = (
             ray.train.CheckpointUploadMode.ASYNC if upload == "async" else ray.train.CheckpointUploadMode.SYNC
         )
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=mode)
+        upload_fn = None
+        if checkpoint is not None and on_stored is not None:
+
+            def upload_fn(local: Any, dir_name: str) -> Any:
+                # Ray's own copy (StorageContext is a DeveloperAPI; the image pins Ray), then the callback.
+                stored = ray.train.get_context().get_storage().persist_current_checkpoint(local, dir_name)
+                on_stored()
+                return stored
+
+        ray.train.report(
+            metrics,
+            checkpoint=checkpoint,
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=mode,
+            checkpoint_upload_fn=upload_fn,
+        )
+
+    def checkpoint_at(self, uri: str) -> Any:
+        import ray.train
+
+        return ray.train.Checkpoint(uri)
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:

@@ -9,13 +9,12 @@ copy of every checkpoint.
 from __future__ import annotations
 
 import logging
-import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dmltrain.service.best import SCORE_KEY
+from dmltrain.service.best import SCORE_KEY, is_scored
 from dmltrain.service.checkpoints import load_state
 from dmltrain.service.config import ExperimentConfig
 from dmltrain.service.serving.pyfunc import log_embedding_model
@@ -53,8 +52,7 @@ def best_checkpoint(result: Any, config: ExperimentConfig) -> tuple[Any, float] 
     """Ray's best kept checkpoint by ``checkpoint_score``, if any evaluated checkpoint exists."""
     if not config.train.best_metric or not result.best_checkpoints:
         return None
-    scored = [(c, float(m.get(SCORE_KEY, math.nan))) for c, m in result.best_checkpoints]
-    scored = [(c, s) for c, s in scored if math.isfinite(s)]
+    scored = [(c, float(m[SCORE_KEY])) for c, m in result.best_checkpoints if is_scored(m.get(SCORE_KEY))]
     if not scored:
         return None
     pick = max if config.train.best_mode == "max" else min

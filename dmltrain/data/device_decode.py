@@ -1,0 +1,280 @@
+"""JPEG decoding and augmentation on the training device (nvJPEG through torchvision), for data at GPU rates.
+
+With ``decode="gpu"`` a loader worker only samples, reads the tar shards and draws every image's crop and
+flip (`TrainAugment.draw`: the same seeded draws, in the same order, as the CPU path), then ships its part
+still encoded (`EncodedPart`: the JPEG bytes back to back in one uint8 tensor, crop boxes, flip flags,
+labels). The training process joins the parts of a step and `DeviceDecoder` decodes them on the device in
+batched `torchvision.io.decode_jpeg` calls, then crops, resizes and flips each image there with the very
+`TrainAugment.apply` the CPU path runs. Host buffers are pinned and copied without blocking, on a side
+stream, so the work overlaps the training step when it runs one step ahead (the loader's join thread).
+
+Per image, what nvJPEG should not see is decoded by PIL in the loader worker with the same parameters:
+PNG/WebP samples, greyscale or CMYK JPEGs, and JPEGs that do not end with their end-of-image marker
+(truncated, or with trailing data: PIL tells which). A JPEG the device decoder refuses is retried alone,
+then decoded by PIL in the training process (logged); an image no decoder can read fails naming its sample
+and shard. On a CPU device the same path runs with libjpeg (tests, comparisons).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import get_worker_info
+from torchvision.io import ImageReadMode, decode_jpeg
+
+from dmltrain.data.shards import Sample
+from dmltrain.data.transforms import CropFlip, TrainAugment, decode
+
+log = logging.getLogger("dmltrain.data.device_decode")
+
+DecodeMode = Literal["auto", "cpu", "gpu"]
+DECODE_MODES: tuple[str, ...] = ("auto", "cpu", "gpu")
+
+# torchvision 0.29 deprecates its image decoders in favour of TorchCodec (same nvJPEG underneath); the
+# GPU image's torchvision 0.26 does not. One narrow filter, so a batch decode does not warn every step.
+warnings.filterwarnings("ignore", message=r"(?s).*image decoding and encoding capabilities of TorchVision")
+
+# Columns of EncodedPart.params.
+_FLIP, _IMAGE_HEIGHT, _IMAGE_WIDTH = 4, 5, 6  # after the crop box (top, left, height, width)
+
+
+def sample_name(key: str, url: str) -> str:
+    """How messages name a sample (the same words as the CPU path's)."""
+    return f"sample {key!r} of shard {url}"
+
+
+@dataclass
+class EncodedPart:
+    """A loader worker's part of a batch in GPU-decode mode: n images, of which the ones with
+    ``sizes[i] > 0`` are still encoded (their bytes in order in ``data``) and the others were decoded and
+    augmented by the worker (in order in ``decoded``)."""
+
+    data: torch.Tensor  # uint8 (total bytes,)
+    sizes: torch.Tensor  # int64 (n,): encoded bytes of image i; 0 = in `decoded`
+    params: torch.Tensor  # int64 (n, 7): crop top, left, height, width, flip, image height, image width
+    decoded: torch.Tensor  # uint8 (m, 3, S, S)
+    labels: torch.Tensor  # int64 (n,)
+    categories: torch.Tensor  # int64 (n,)
+    shards: torch.Tensor  # int64 (n,): shard index of image i (for messages)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @staticmethod
+    def join(parts: Sequence[EncodedPart]) -> EncodedPart:
+        """The parts of one step as one part, in order (what the loader's join thread does)."""
+        if len(parts) == 1:
+            return parts[0]
+        fields = ("data", "sizes", "params", "decoded", "labels", "categories", "shards")
+        return EncodedPart(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor that a loader worker hands over without a copy (shared memory, as default_collate does)."""
+    out = torch.empty(shape, dtype=dtype)
+    return out.share_memory_() if get_worker_info() is not None else out
+
+
+def _header(data: bytes) -> tuple[str | None, str, int, int]:
+    """(format, mode, height, width) from the image header alone (PIL does not decode pixels here)."""
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = image.size
+        return image.format, image.mode, height, width
+
+
+def for_the_device(data: bytes, fmt: str | None, mode: str) -> bool:
+    """A colour JPEG that ends with its end-of-image marker: what the device decoder gets."""
+    return fmt == "JPEG" and mode == "RGB" and data.rstrip(b"\0").endswith(b"\xff\xd9")
+
+
+def encode_part(samples: list[Sample], augment: TrainAugment) -> EncodedPart:
+    """Runs in a loader worker: the crop/flip draws of every image (in batch order, so they equal the CPU
+    path's), the encoded bytes of those the device decodes, and PIL decodes of the rest."""
+    params: list[list[int]] = []
+    sizes: list[int] = []
+    decoded: list[torch.Tensor] = []
+    for sample in samples:
+        try:
+            fmt, mode, height, width = _header(sample.data)
+            box = augment.draw(height, width)
+            device = for_the_device(sample.data, fmt, mode)
+            if not device:
+                decoded.append(augment.apply(decode(sample.data), box))
+        except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
+            where = sample_name(sample.key, sample.url or str(sample.shard))
+            raise ValueError(f"{where}: cannot decode/transform the image: {exc}") from exc
+        sizes.append(len(sample.data) if device else 0)
+        params.append([box.top, box.left, box.height, box.width, int(box.flip), height, width])
+    data = _empty((sum(sizes),), torch.uint8)
+    flat, offset = data.numpy(), 0
+    for sample, size in zip(samples, sizes, strict=True):
+        if size:
+            flat[offset : offset + size] = np.frombuffer(sample.data, dtype=np.uint8)
+            offset += size
+    stacked = _empty((len(decoded), 3, augment.size, augment.size), torch.uint8)
+    if decoded:
+        torch.stack(decoded, out=stacked)
+    return EncodedPart(
+        data=data,
+        sizes=torch.tensor(sizes, dtype=torch.int64),
+        params=torch.tensor(params, dtype=torch.int64).reshape(-1, 7),
+        decoded=stacked,
+        labels=torch.tensor([s.cls for s in samples], dtype=torch.int64),
+        categories=torch.tensor([s.category for s in samples], dtype=torch.int64),
+        shards=torch.tensor([s.shard for s in samples], dtype=torch.int64),
+    )
+
+
+class DeviceDecoder:
+    """Turns a joined `EncodedPart` into the uint8 (n, 3, S, S) batch on `device`.
+
+    Encoded images are decoded in batches of `decode_batch` (bounding the device memory that full-size
+    decoded images take), each cropped/resized/flipped by `augment.apply`. On CUDA the work runs on a side
+    stream; the batch is ready when returned, and is recorded on the stream that was current where the
+    decoder was made (the training thread's), so the allocator does not reuse it while training reads it.
+    """
+
+    def __init__(
+        self, augment: TrainAugment, device: torch.device, urls: Sequence[str], decode_batch: int = 512
+    ) -> None:
+        if decode_batch < 1:
+            raise ValueError(f"decode_batch must be >= 1, got {decode_batch}")
+        self.augment, self.device, self.urls, self.decode_batch = augment, device, list(urls), decode_batch
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.consumer = torch.cuda.current_stream(device) if self.cuda else None
+        self.fallbacks = 0  # images the device decoder refused and PIL decoded (logged one by one)
+
+    def __call__(self, part: EncodedPart, keys: Sequence[str]) -> torch.Tensor:
+        if self.stream is None:
+            return self._run(part, keys)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            batch = self._run(part, keys)
+            batch.record_stream(self.consumer)
+        self.stream.synchronize()  # this (loader) thread waits, not the training thread
+        return batch
+
+    def _run(self, part: EncodedPart, keys: Sequence[str]) -> torch.Tensor:
+        n = len(part)
+        images: list[torch.Tensor | None] = [None] * n
+        sizes = part.sizes.tolist()
+        encoded = [i for i, size in enumerate(sizes) if size]
+        if encoded:
+            data = part.data.pin_memory() if self.cuda else part.data
+            views = torch.split(data, [sizes[i] for i in encoded])
+            params = part.params.tolist()
+            for start in range(0, len(encoded), self.decode_batch):
+                chunk = encoded[start : start + self.decode_batch]
+                decoded = self._decode(list(views[start : start + len(chunk)]), chunk, params, keys, part)
+                for i, image in zip(chunk, decoded, strict=True):
+                    p = params[i]
+                    images[i] = self.augment.apply(image, CropFlip(*p[:4], bool(p[_FLIP])))
+        if len(part.decoded):
+            done = part.decoded.pin_memory() if self.cuda else part.decoded
+            done = done.to(self.device, non_blocking=True)
+            for j, i in enumerate(i for i, size in enumerate(sizes) if not size):
+                images[i] = done[j]
+        return torch.stack(images)  # type: ignore[arg-type]
+
+    def _decode(
+        self,
+        views: list[torch.Tensor],
+        index: list[int],
+        params: list[list[int]],
+        keys: Sequence[str],
+        part: EncodedPart,
+    ) -> list[torch.Tensor]:
+        """One batched decode; if it fails (one bad image fails the call) or an image's shape is not the
+        header's, the images are decoded one by one, falling back to PIL."""
+        try:
+            images = decode_jpeg(views, mode=ImageReadMode.RGB, device=self.device)
+        except RuntimeError:
+            images = [None] * len(views)
+        out = []
+        for view, i, image in zip(views, index, images, strict=True):
+            shape = (3, params[i][_IMAGE_HEIGHT], params[i][_IMAGE_WIDTH])
+            if image is None or tuple(image.shape) != shape:
+                image = self._decode_one(view, shape, sample_name(keys[i], self._url(part, i)))
+            out.append(image)
+        return out
+
+    def _decode_one(self, view: torch.Tensor, shape: tuple[int, ...], where: str) -> torch.Tensor:
+        try:
+            image = decode_jpeg(view, mode=ImageReadMode.RGB, device=self.device)
+            if tuple(image.shape) == shape:
+                return image
+            why = f"decoded shape {tuple(image.shape)}, header says {shape}"
+        except RuntimeError as exc:
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        data = view.numpy().tobytes()
+        try:
+            image = decode(data)
+        except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
+            raise ValueError(f"{where}: cannot decode the image: {exc} (device decoder: {why})") from exc
+        self.fallbacks += 1
+        log.warning("%s: the device decoder failed (%s); decoded by PIL instead", where, why)
+        return image.to(self.device)
+
+    def _url(self, part: EncodedPart, i: int) -> str:
+        shard = int(part.shards[i])
+        return self.urls[shard] if 0 <= shard < len(self.urls) else str(shard)
+
+
+@functools.cache
+def _probe(device: str) -> str | None:
+    """None if a tiny JPEG decodes on `device` about as PIL decodes it, else why not."""
+    rng = np.random.default_rng(0)
+    pixels = np.clip(rng.normal(128, 40, (16, 24, 3)), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=95)
+    data = out.getvalue()
+    try:
+        image = decode_jpeg(
+            torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB, device=device
+        )
+    except Exception as exc:  # no nvJPEG in this torchvision build, a driver problem...
+        return f"{type(exc).__name__}: {exc}"
+    error = (image.cpu().float() - decode(data).float()).abs().mean().item()
+    return None if error < 8 else f"a test image decodes {error:.1f} grey levels away from PIL's decode"
+
+
+def device_decode_problem(device: torch.device) -> str | None:
+    """Why torchvision cannot decode JPEGs on `device`, or None if it can (checked once per device)."""
+    return _probe(str(device))
+
+
+def resolve_decode(mode: str, device: torch.device | str | None) -> tuple[str, torch.device | None]:
+    """``("cpu", None)`` or ``("gpu", device)`` for a `decode` setting.
+
+    auto: the device path when `device` (default: the current CUDA device, if any) is CUDA and decodes a
+    test JPEG, else the CPU path. gpu: the device path, an error if it cannot run; an explicit CPU `device`
+    runs the same path with libjpeg (tests, comparisons). cpu: PIL in the loader workers.
+    """
+    if mode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {DECODE_MODES}, got {mode!r}")
+    if mode == "cpu":
+        return "cpu", None
+    if device is not None:
+        target: torch.device | None = torch.device(device)
+    else:
+        target = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if mode == "auto":
+        if target is not None and target.type == "cuda" and device_decode_problem(target) is None:
+            return "gpu", target
+        return "cpu", None
+    if target is None:
+        raise ValueError("decode='gpu' needs a CUDA device, and none is visible (use decode='auto' or 'cpu')")
+    if target.type == "cuda":
+        problem = device_decode_problem(target)
+        if problem is not None:
+            raise ValueError(f"decode='gpu': torchvision cannot decode JPEGs on {target}: {problem}")
+    return "gpu", target

@@ -1,0 +1,137 @@
+"""nvJPEG decode + GPU crop/resize/flip against the PIL path, and a service run with data.decode=gpu
+(`pytest -m gpu -s tests/test_gpu_decode.py` on a CUDA machine; `-s` prints the measured differences).
+
+Skipped with a reason where CUDA is absent. Tolerance: decoders differ (IDCT, chroma upsampling), so pixels
+are compared by their mean absolute difference, with torchvision's own bound for nvJPEG against libjpeg
+(mean < 2 grey levels, its test_decode_jpegs_cuda); the augmented batches must also agree image by image
+(every image < 4), which fails at once if a crop or a flip differed between the two paths.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_device_decode import build, encoded, loader, pixels
+from torchvision.io import ImageReadMode, decode_jpeg
+
+from dmltrain.data import load_dataset_info, train_transform
+from dmltrain.data.device_decode import DeviceDecoder, device_decode_problem, encode_part, resolve_decode
+from dmltrain.data.shards import read_shard
+from dmltrain.data.transforms import decode
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA: run `pytest -m gpu` on a GPU machine"
+    ),
+]
+
+REPO = Path(__file__).parents[1]
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def colour_jpegs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """16 classes x 6 colour JPEGs of three kinds the device decodes (4:2:0, 4:4:4, progressive)."""
+    return build(tmp_path_factory.mktemp("gpu_jpegs"), 16, 6, ("jpeg", "jpeg444", "progressive"))
+
+
+def test_nvjpeg_decodes_like_pil_within_torchvisions_bound() -> None:
+    assert device_decode_problem(CUDA) is None
+    assert resolve_decode("auto", None) == ("gpu", torch.device("cuda", torch.cuda.current_device()))
+    arrays = [pixels(np.random.default_rng(i), 64 + 7 * i, 96 - 5 * i) for i in range(8)]
+    for kind in ("jpeg", "jpeg444", "progressive"):
+        files = [encoded(a, kind) for a in arrays]
+        tensors = [torch.frombuffer(bytearray(f), dtype=torch.uint8) for f in files]
+        for f, image in zip(files, decode_jpeg(tensors, mode=ImageReadMode.RGB, device=CUDA), strict=True):
+            reference = decode(f).float()
+            assert image.device.type == "cuda" and image.shape == reference.shape
+            diff = (image.cpu().float() - reference).abs().mean().item()
+            print(f"{kind} {tuple(image.shape)}: mean |nvJPEG - PIL| = {diff:.3f}")
+            assert diff < 2, (kind, diff)
+
+
+def test_gpu_decoded_batches_match_the_pil_path(colour_jpegs: Path) -> None:
+    """Same samples, crops and flips as the PIL path; pixels within the stated tolerance."""
+    cpu_loader, gpu_loader = loader(colour_jpegs, "cpu"), loader(colour_jpegs, "gpu", device=CUDA)
+    try:
+        for _ in range(3):
+            a, b = cpu_loader.next_batch(), gpu_loader.next_batch()
+            assert a[3] == b[3] and torch.equal(a[1], b[1])
+            assert b[0].device.type == "cuda" and b[0].dtype == torch.uint8 and b[0].shape == a[0].shape
+            diff = (a[0].float() - b[0].cpu().float()).abs()
+            per_image = diff.mean(dim=(1, 2, 3))
+            mirrored = (a[0].float() - b[0].cpu().flip(-1).float()).abs().mean()
+            print(
+                f"batch: mean |GPU - PIL| {diff.mean():.3f}, worst image {per_image.max():.3f} "
+                f"(against the mirrored batch: {mirrored:.3f})"
+            )
+            assert diff.mean() < 2 and per_image.max() < 4, (diff.mean(), per_image.max())
+    finally:
+        cpu_loader.close()
+        gpu_loader.close()
+
+
+def test_repeated_device_decodes_are_identical_and_leave_earlier_batches_intact(colour_jpegs: Path) -> None:
+    """Batches come off a side stream: one held by the caller must survive later decodes (allocator reuse
+    is fenced by record_stream), and the device path is deterministic."""
+    urls = load_dataset_info(colour_jpegs).shard_urls(colour_jpegs, "train")
+    samples = [s for i, u in enumerate(urls[:4]) for s in read_shard(u, shard=i)]
+    augment = train_transform(32)
+    torch.manual_seed(0)
+    part = encode_part(samples, augment)
+    decoder = DeviceDecoder(augment, CUDA, urls, decode_batch=5)
+    keys = [s.key for s in samples]
+    first = decoder(part, keys)
+    saved = first.cpu()
+    for _ in range(5):
+        assert torch.equal(decoder(part, keys), first)
+    assert torch.equal(first.cpu(), saved) and decoder.fallbacks == 0
+    reference = DeviceDecoder(augment, torch.device("cpu"), urls)(part, keys)
+    assert (saved.float() - reference.float()).abs().mean() < 2
+
+
+@pytest.mark.service
+def test_service_runs_with_gpu_decode(ray_cluster, tmp_path: Path, colour_jpegs: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from dmltrain.service.config import load_config
+    from dmltrain.service.run import launch
+
+    if ray_cluster.cluster_resources().get("GPU", 0) < 1:
+        pytest.skip("the local Ray cluster sees no GPU")
+    config = load_config(
+        REPO / "configs" / "quickstart.yaml",
+        [
+            f"data.root={colour_jpegs}",
+            "data.prepare=null",
+            "data.decode=gpu",
+            "data.loader_workers=2",
+            "run.name=gpu-decode",
+            f"run.storage_path={tmp_path / 'ray_results'}",
+            f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            "scaling.num_workers=1",
+            "scaling.use_gpu=true",
+            "train.steps=2",
+            "train.log_every=1",
+            "train.global_batch_size=32",
+            "train.chunk_size=16",
+            "train.eval_at_start=false",
+            "eval.grid_queries=2",
+        ],
+    )
+    outcome = launch(config)
+    client = MlflowClient(outcome.tracking_uri)
+    run = client.get_run(outcome.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    decoded_on = run.data.tags["dmltrain.data_decode"]
+    assert decoded_on.startswith("gpu (cuda"), decoded_on
+    losses = client.get_metric_history(outcome.mlflow_run_id, "train/loss")
+    assert [m.step for m in losses] == [1, 2] and all(math.isfinite(m.value) for m in losses)
+    share = run.data.metrics["train/data_wait_share"]
+    print(f"data wait share {share:.3f}")
+    assert 0.0 <= share <= 1.0

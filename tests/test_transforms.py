@@ -1,0 +1,101 @@
+"""Image geometry: the papers' warp mode (every image to resize x resize first) against the aspect-keeping
+default, for training and test, and its pass-through from the loaders on real shards."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.transforms import v2
+
+from dmltrain.data import EvalLoader, SamplerSpec, TrainAugment, TrainLoader, prepare, train_transform
+from dmltrain.data import test_transform as eval_transform
+
+
+def banded(height: int = 40, width: int = 80) -> torch.Tensor:
+    """Three vertical bands (50 | 150 | 250) over the width: 1/4, 1/2, 1/4 of it."""
+    image = torch.full((3, height, width), 150, dtype=torch.uint8)
+    image[:, :, : width // 4] = 50
+    image[:, :, 3 * width // 4 :] = 250
+    return image
+
+
+def test_warp_test_transform_sees_the_whole_width_the_default_crops_it_away() -> None:
+    image = banded()
+    kept = eval_transform(24, resize=32)(image)  # shorter side 40 -> 32 (64 wide), centre 24 columns
+    warped = eval_transform(24, resize=32, resize_mode="warp")(image)  # 32 x 32, centre 24 columns
+    assert kept.shape == warped.shape == (3, 24, 24) and warped.dtype == torch.uint8
+    assert set(kept.unique().tolist()) == {150}
+    assert warped.min() <= 60 and warped.max() >= 240  # both outer bands survive the warp
+    expected = v2.CenterCrop(24)(v2.Resize((32, 32), antialias=True)(image))
+    assert torch.equal(warped, expected)
+    assert torch.equal(eval_transform(24, resize=32, resize_mode="warp")(image), warped)  # deterministic
+
+
+def test_warp_train_transform_crops_the_warped_square() -> None:
+    image = banded()
+    # scale and ratio 1: the crop is the whole warped square, so the result is fully determined
+    whole = train_transform(24, scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False, resize_mode="warp", resize=32)
+    expected = v2.Resize((24, 24), antialias=True)(v2.Resize((32, 32), antialias=True)(image))
+    assert torch.equal(whole(image), expected)
+    assert whole(image).min() <= 60 and whole(image).max() >= 240
+
+    augment = train_transform(24, scale=(0.5, 1.0), resize_mode="warp")  # resize defaults to 24 x 256/224
+    outs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        outs.append(augment(image))
+    assert all(o.shape == (3, 24, 24) and o.dtype == torch.uint8 for o in outs)
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+
+
+def test_unknown_resize_mode_is_rejected() -> None:
+    with pytest.raises(ValueError, match="resize_mode must be one of"):
+        train_transform(24, resize_mode="stretch")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="resize_mode must be one of"):
+        eval_transform(24, resize_mode="pad")  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def wide_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Real shards of wide (16 x 40) PNGs: 4 classes x 4 images for train and test."""
+    root = tmp_path_factory.mktemp("wide")
+    rng = np.random.default_rng(0)
+    rows = []
+    (root / "img").mkdir()
+    for split in ("train", "test"):
+        for c in range(4):
+            for i in range(4):
+                rel = f"img/{split}{c}_{i}.png"
+                Image.fromarray(rng.integers(0, 256, (16, 40, 3), dtype=np.uint8)).save(root / rel)
+                rows.append([rel, f"{split}{c}", split])
+    with (root / "list.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["path", "class", "split"])
+        writer.writerows(rows)
+    prepare("csv", str(root / "list.csv"), root / "out", shard_size=8, progress=False)
+    return root / "out"
+
+
+def test_loaders_pass_the_resize_mode_through(wide_shards: Path) -> None:
+    evaluated = EvalLoader(wide_shards, "test", 16, image_size=8, resize=12, resize_mode="warp")
+    images, _labels, _categories, keys = next(iter(evaluated))
+    raw = {}
+    for batch in EvalLoader(wide_shards, "test", 16, transform=lambda x: x):
+        raw.update(dict(zip(batch[3], batch[0], strict=True)))
+    expected = eval_transform(8, 12, "warp")
+    for image, key in zip(images, keys, strict=True):
+        assert torch.equal(image, expected(raw[key]))
+    assert not torch.equal(images[0], eval_transform(8, 12)(raw[keys[0]]))
+
+    spec = SamplerSpec(name="pk", samples_per_class=2, seed=1)
+    train = TrainLoader(
+        wide_shards, 8, spec, rank=0, world_size=1, num_workers=0, image_size=8, resize_mode="warp", resize=12
+    )
+    assert isinstance(train.transform, TrainAugment) and train.transform.warp == 12
+    batch, _, _ = train.next_batch()
+    assert batch.shape == (8, 3, 8, 8)
