@@ -11,9 +11,11 @@ threads) and "2x1" (two gloo processes, 1 thread each, as Ray runs the quickstar
 built once in its group and fed the same decoded batches (real glyph shards through the real TrainLoader,
 decoded once up front); the groups take turns, variant by variant, in rounds (the order rotates every
 round), so load changes hit all variants alike. A block is S steps between two barriers; a variant's figure
-is the median over rounds of its seconds per step.
-  bare loop           model(normalize(x)) -> loss -> backward -> Adam(fused=True) on the global batch; the
-                      baseline (also with torch's default Adam, for reference)
+is the median over rounds of its seconds per step. Every process gets the OpenMP wait policy that Ray gives
+the service's workers (scaling.omp_wait_policy).
+  bare loop           model(normalize(x)) -> loss -> backward -> Adam(fused=True) on the global batch, with
+                      2 threads and with 1: the faster is the baseline (on a loaded machine a 2-thread
+                      step waits for its slower thread); also with torch's default Adam, for reference
   bare, no sync       each of 2 processes the same on its half batch, no communication: the layout alone
   bare DDP            the same under DistributedDataParallel (local loss, gradient all-reduce over gloo)
   service step        the real WorkerLoop._train_step (engine: exact global-batch loss and gradient, DDP as
@@ -34,6 +36,7 @@ On a shared machine absolute figures move with the load: read the ratios, and th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -62,17 +65,20 @@ LAYOUTS = {  # Ray workers x torch threads on the 2 cores, and the overrides tha
     "1x2": {"workers": 1, "threads": 2},
 }
 GROUP_VARIANTS = {
-    "1x2": ["bare", "bare_default_adam", "service", "service_data"],
+    "1x2": ["bare", "bare_1thread", "bare_default_adam", "service", "service_data"],
     "2x1": ["bare_nosync", "bare_ddp", "service", "service_data"],
 }
 LABELS = {
-    "bare": "bare loop, Adam(fused=True)  [baseline]",
+    "bare": "bare loop, Adam(fused=True)",
+    "bare_1thread": "bare loop, Adam(fused=True), 1 thread",
     "bare_default_adam": "bare loop, torch's default Adam",
     "bare_nosync": "bare loop per half batch, no sync",
     "bare_ddp": "bare DDP loop (local loss)",
     "service": "service step, replayed batches",
     "service_data": "service step + live data",
 }
+VARIANT_THREADS = {"bare_1thread": 1}  # torch threads for a block of this variant (else the group's)
+BASELINES = ("bare", "bare_1thread")  # the baseline is the faster single-process bare loop
 
 
 def layout_overrides(layout: str, global_batch: int) -> list[str]:
@@ -198,6 +204,7 @@ def _group_worker(rank: int, world: int, port: int, conn: Connection, spec: dict
         local = [(x.chunk(world)[rank].clone(), y.chunk(world)[rank].clone()) for x, y in spec["batches"]]
         builders = {
             "bare": lambda: _bare_step(config, local, ddp=False, fused=True),
+            "bare_1thread": lambda: _bare_step(config, local, ddp=False, fused=True),
             "bare_default_adam": lambda: _bare_step(config, local, ddp=False, fused=False),
             "bare_nosync": lambda: _bare_step(config, local, ddp=False, fused=True),
             "bare_ddp": lambda: _bare_step(config, local, ddp=True, fused=True),
@@ -215,6 +222,7 @@ def _group_worker(rank: int, world: int, port: int, conn: Connection, spec: dict
             if command[0] == "stop":
                 break
             _, name, n = command
+            torch.set_num_threads(VARIANT_THREADS.get(name, threads))
             if world > 1:
                 dist.barrier()
             t0 = time.perf_counter()
@@ -272,10 +280,8 @@ class _Group:
 
     def close(self) -> None:
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(("stop",))
-            except OSError:
-                pass
         for proc in self.procs:
             proc.join(timeout=60)
             if proc.is_alive():
@@ -367,6 +373,8 @@ def decode_batches(config: Any, count: int) -> list[tuple[torch.Tensor, torch.Te
             num_workers=0,
             image_size=config.data.image_size,
             crop_scale=config.data.crop_scale,
+            resize_mode=config.data.resize_mode,
+            resize=config.data.resize,
         )
         for rank in range(world)
     ]
@@ -400,6 +408,7 @@ def main() -> None:
 
     from dmltrain.data import ensure_glyphs
     from dmltrain.service.config import flatten, load_config, to_yaml
+    from dmltrain.service.run import worker_env_vars
     from dmltrain.service.tracking import start_or_resume_run
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dmltrain-bench-service-")).resolve()
@@ -420,13 +429,16 @@ def main() -> None:
         f"{config.data.image_size} px, {config.loss.name}, {config.optim.name}, global batch {batch}, "
         f"loader_workers {config.data.loader_workers}, freeze_bn {config.model.freeze_bn}; work dir {workdir}"
     )
+    print(f"OpenMP wait policy (bare loops and service alike): {worker_env_vars(config) or 'inherited'}")
     quickstart_layout = f"{config.scaling.num_workers}x{config.scaling.torch_threads or 1}"
 
     # ---------------------------------------------------------------- part 1
     batches = decode_batches(config, plan["batches"])
     groups: dict[str, _Group] = {}
     results: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
-    group_variants = {"1x2": ["bare"]} if args.skip_steps else GROUP_VARIANTS
+    group_variants = {"1x2": list(BASELINES)} if args.skip_steps else GROUP_VARIANTS
+    # The bare loops and the service steps run under the OpenMP settings Ray gives the service's workers.
+    os.environ.update(worker_env_vars(config))
     jobs = [(layout, v) for layout, variants in group_variants.items() for v in variants]
     try:
         for layout, variants in group_variants.items():
@@ -457,7 +469,7 @@ def main() -> None:
                 results[(layout, variant)].append(groups[layout].run(variant, plan["steps"]))
 
         def bare_block() -> float:
-            return groups["1x2"].run("bare", plan["steps"])["seconds"]
+            return min(groups["1x2"].run(v, plan["steps"])["seconds"] for v in BASELINES)
 
         # ------------------------------------------------------------ part 2
         service: dict[str, dict[str, Any]] = {}
@@ -485,10 +497,12 @@ def main() -> None:
     def med(layout: str, variant: str, key: str = "seconds") -> float:
         return _median([r.get(key, float("nan")) for r in results.get((layout, variant), [])])
 
-    bare_s = med("1x2", "bare")
+    baseline = min(BASELINES, key=lambda v: med("1x2", v))
+    bare_s = med("1x2", baseline)
+    LABELS[baseline] += "  [baseline]"
     print(
-        f"\nPart 1: seconds per step (median of {plan['rounds']} interleaved rounds of {plan['steps']} steps; "
-        f"same {len(batches)} decoded batches)"
+        f"\nPart 1: seconds per step (median of {plan['rounds']} interleaved rounds of {plan['steps']} "
+        f"steps; same {len(batches)} decoded batches)"
     )
     print(
         f"{'layout':<7}{'variant':<42}{'s/step':>8}{'img/s':>8}{'vs bare':>9}{'data':>7}{'engine':>8}"
@@ -504,14 +518,16 @@ def main() -> None:
         )
         print(f"{layout:<7}{LABELS[variant]:<42}{s:>8.3f}{batch / s:>8.0f}{bare_s / s:>8.2f}x{cells}")
     print(
-        "engine = forward + loss + backward (+ the engine's collectives: comm); update = norm + optimizer step"
+        "engine = forward + loss + backward (+ the engine's collectives: comm); "
+        "update = norm + optimizer step"
     )
 
     if service:
         print(f"\nPart 2: the service, {service_steps} steps (python -m dmltrain.run; figures from MLflow)")
         print(
-            f"{'layout':<7}{'wall s':>8}{'loop s':>8}{'steady img/s':>13}{'vs bare':>9}{'incl. eval+ckpt':>16}"
-            f"{'vs bare':>9}{'data':>7}{'comm':>7}{'eval s':>8}{'ckpt s':>8}{'log s':>7}{'R@1':>7}"
+            f"{'layout':<7}{'wall s':>8}{'loop s':>8}{'steady img/s':>13}{'vs bare':>9}"
+            f"{'incl. eval+ckpt':>16}{'vs bare':>9}{'data':>7}{'comm':>7}{'eval s':>8}{'ckpt s':>8}"
+            f"{'log s':>7}{'R@1':>7}"
         )
         for layout, r in service.items():
             bare_ips = 2 * batch / sum(brackets[layout])
@@ -529,7 +545,8 @@ def main() -> None:
             )
         for layout, (before, after) in brackets.items():
             print(
-                f"  bare loop around the {layout} run: {batch / before:.0f} img/s before, {batch / after:.0f} after"
+                f"  bare loop around the {layout} run: {batch / before:.0f} img/s before, "
+                f"{batch / after:.0f} after"
             )
         print(f"\nBreakdown: the service's time per step against the bare loop's {bare_s:.3f} s")
         for layout, r in service.items():
@@ -579,7 +596,8 @@ def _breakdown(
     ]
     loop_per_step = per["loop"]
     print(
-        f"  {layout}: service {service_step:.3f} s per step in steady state, {loop_per_step:.3f} with everything"
+        f"  {layout}: service {service_step:.3f} s per step in steady state, "
+        f"{loop_per_step:.3f} with everything"
     )
     for label, value in rows:
         print(f"    {label:<56}{value:>+8.3f} s{value / loop_per_step:>8.1%} of the loop")
