@@ -140,11 +140,13 @@ def _bare_optimizer(name: str, params: Any, lr: float, fused: bool) -> torch.opt
 
 def _bare_step(config: Any, batches: list, ddp: bool, fused: bool) -> Callable[[int], dict[str, float]]:
     """What a user writes without dmltrain: forward, loss, backward, optimizer step."""
-    from dmltrain.models import build_model, freeze_batchnorm, normalize_images
-    from dmltrain.service.builders import build_loss
+    from dmltrain.models import freeze_batchnorm
+    from dmltrain.service.builders import build_loss, build_network, resolve_preprocessing
 
     torch.manual_seed(config.train.seed)
-    net = build_model(config.model.backbone, config.model.embedding_dim, config.model.weights)
+    preprocessing = resolve_preprocessing(config)  # as the worker loop builds it
+    net = build_network(config, preprocessing)
+    normalize = preprocessing.normalizer()
     net.train()
     if config.model.freeze_bn:
         freeze_batchnorm(net)
@@ -156,7 +158,7 @@ def _bare_step(config: Any, batches: list, ddp: bool, fused: bool) -> Callable[[
         images, labels = batches[i % len(batches)]
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(normalize_images(images)), labels).backward()
+        loss_fn(model(normalize(images)), labels).backward()
         t1 = time.perf_counter()
         optimizer.step()
         return {"engine": t1 - t0, "update": time.perf_counter() - t1}
@@ -359,6 +361,7 @@ def _load() -> str:
 def decode_batches(config: Any, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Global batches in the 2-worker layout: rank 0's local batch then rank 1's, from the real loader."""
     from dmltrain.data import SamplerSpec, TrainLoader
+    from dmltrain.service.builders import resolve_preprocessing
 
     world = 2
     local = config.train.global_batch_size // world
@@ -372,9 +375,7 @@ def decode_batches(config: Any, count: int) -> list[tuple[torch.Tensor, torch.Te
             world_size=world,
             num_workers=0,
             image_size=config.data.image_size,
-            crop_scale=config.data.crop_scale,
-            resize_mode=config.data.resize_mode,
-            resize=config.data.resize,
+            transform=resolve_preprocessing(config).train_transform(config.data.crop_scale),
         )
         for rank in range(world)
     ]

@@ -23,12 +23,26 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+# IJB-C-style 1:1 template verification (face protocol, Smooth-AP Sec. 5.4) lives in its own module.
+from dmltrain.verification import (
+    VerificationProtocol,
+    load_verification_protocol,
+    tar_at_far,
+    template_features,
+    verification_metrics,
+)
+
 __all__ = [
     "PROTOCOL_DEFAULT_KS",
+    "VerificationProtocol",
     "evaluate_protocol",
+    "load_verification_protocol",
     "nearest_neighbors",
     "retrieval_metrics",
+    "tar_at_far",
+    "template_features",
     "vehicleid_gallery_split",
+    "verification_metrics",
 ]
 
 # A block of similarities holds at most this many float32 values (256 MiB); the query chunk is sized from it.

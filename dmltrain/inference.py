@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,13 +46,18 @@ def image_tensor(image: Any, what: str = "image") -> torch.Tensor:
 
 @torch.no_grad()
 def embed_batch(
-    net: nn.Module, images: torch.Tensor, device: torch.device, autocast_dtype: torch.dtype | None = None
+    net: nn.Module,
+    images: torch.Tensor,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+    normalize: Callable[[torch.Tensor], torch.Tensor] = normalize_images,
 ) -> torch.Tensor:
     """uint8 (B, 3, H, W) batch -> float32 (B, D) L2-normalised embeddings (the model's head normalises).
 
+    ``normalize`` is the backbone's own (``PreprocessConfig.normalizer()``; ImageNet statistics by default).
     The caller puts ``net`` in eval mode; this is the one place test-time inputs are normalised."""
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        out = net(normalize_images(images.to(device, non_blocking=True)))
+        out = net(normalize(images.to(device, non_blocking=True)))
     return out.float()
 
 
@@ -62,6 +67,7 @@ def embed_images(
     transform: Transform,
     device: torch.device,
     batch_size: int = 64,
+    normalize: Callable[[torch.Tensor], torch.Tensor] = normalize_images,
 ) -> np.ndarray:
     """Embed encoded images or uint8 arrays of any size: each goes through ``transform`` (the test resize +
     centre crop), then batches through :func:`embed_batch`. Returns float32 (N, D)."""
@@ -73,10 +79,10 @@ def embed_images(
         for i, image in enumerate(images):
             batch.append(transform(image_tensor(image, f"image {i}")))
             if len(batch) == batch_size:
-                rows.append(embed_batch(net, torch.stack(batch), device).cpu().numpy())
+                rows.append(embed_batch(net, torch.stack(batch), device, None, normalize).cpu().numpy())
                 batch = []
         if batch:
-            rows.append(embed_batch(net, torch.stack(batch), device).cpu().numpy())
+            rows.append(embed_batch(net, torch.stack(batch), device, None, normalize).cpu().numpy())
     finally:
         net.train(was_training)
     if not rows:

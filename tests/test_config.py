@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from dmltrain.service.config import ConfigError, flatten, load_config, to_yaml
@@ -317,3 +318,22 @@ def test_loss_options_reach_the_loss_objects() -> None:
     assert triplet.triplets == "sampled" and triplet.margin == 0.2
     quick = load_config(CONFIGS[0].parent / "quickstart.yaml", ["loss={name: rll}"])
     assert build_loss(quick.loss).gradient == "both"
+
+
+def test_resize_mode_reaches_the_preprocessing_and_both_transforms(tmp_path: Path) -> None:
+    """data.resize_mode overrides the backbone's resize rule (warp = squash) for train and test alike; left
+    unset, the backbone's own rule (torchvision: the shorter side) applies."""
+    from dmltrain.service.builders import resolve_preprocessing
+
+    paper = resolve_preprocessing(_paper("sop_smoothap"))
+    assert (paper.crop_mode, paper.resize_mode) == ("squash", "warp")
+    assert (paper.resolution, paper.resize) == (224, 256)
+    assert paper.train_transform((0.16, 1.0)).warp == 256
+    path = _write(tmp_path, lambda raw: None)
+    plain = resolve_preprocessing(load_config(path))
+    assert plain.resize_mode == "shorter_side" and plain.train_transform((0.5, 1.0)).warp is None
+    image = torch.zeros(3, 40, 80, dtype=torch.uint8)
+    image[:, :, :8] = 255  # a bright band at the left edge: only a warp keeps it inside the centre crop
+    warped = resolve_preprocessing(load_config(path, ["data.resize_mode=warp"])).test_transform()(image)
+    kept = plain.test_transform()(image)
+    assert warped.shape == kept.shape and warped.max() > 0 and kept.max() == 0

@@ -14,6 +14,7 @@ LIBRARY = [
     "dmltrain.data",
     "dmltrain.models",
     "dmltrain.evaluation",
+    "dmltrain.verification",
     "dmltrain.plots",
     "dmltrain.distributed",
 ]

@@ -65,7 +65,7 @@ def served(glyphs_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Serve
         [f"data.root={glyphs_root}", "data.prepare=null", "model.embedding_dim=32"],
     )
     torch.manual_seed(0)
-    net = build_network(config.model).eval()
+    net = build_network(config).eval()
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     client = MlflowClient(uri)
     run = client.create_run(client.create_experiment("serving"))

@@ -14,6 +14,9 @@ The train augmentation is a `TrainAugment`: its random parameters are drawn (`dr
 generator, exactly the draws of torchvision's RandomResizedCrop + RandomHorizontalFlip) apart from applying
 them (`apply`, on a tensor on any device), so the GPU decode path (`dmltrain.data.device_decode`) draws
 the crops in the loader workers and applies them on the GPU: a seed gives the same crops either way.
+
+Sizes, the resize rule and the interpolation come from the backbone's preprocessing
+(`dmltrain.models.preprocessing_for`) unless the config overrides them.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.transforms import v2
+from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms.v2 import functional as F
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -51,6 +54,15 @@ def default_resize(size: int) -> int:
 def _check_mode(resize_mode: str) -> None:
     if resize_mode not in RESIZE_MODES:
         raise ValueError(f"resize_mode must be one of {RESIZE_MODES}, got {resize_mode!r}")
+
+
+def _mode(interpolation: str) -> InterpolationMode:
+    try:
+        return InterpolationMode(interpolation)
+    except ValueError:
+        raise ValueError(
+            f"unknown interpolation {interpolation!r}: use bilinear, bicubic or nearest"
+        ) from None
 
 
 class CropFlip(NamedTuple):
@@ -80,12 +92,16 @@ class TrainAugment:
         *,
         resize_mode: ResizeMode = "shorter_side",
         resize: int | None = None,
+        interpolation: str = "bilinear",
     ) -> None:
         _check_mode(resize_mode)
         self.size = size
         self.flip = flip
         self.warp = (resize or default_resize(size)) if resize_mode == "warp" else None
-        self._crop = v2.RandomResizedCrop(size, scale=scale, ratio=ratio, antialias=True)
+        self.interpolation = _mode(interpolation)
+        self._crop = v2.RandomResizedCrop(
+            size, scale=scale, ratio=ratio, interpolation=self.interpolation, antialias=True
+        )
 
     def draw(self, height: int, width: int) -> CropFlip:
         """Parameters for an image of `height` x `width`, from torch's default CPU generator."""
@@ -101,9 +117,11 @@ class TrainAugment:
     def apply(self, image: torch.Tensor, params: CropFlip) -> torch.Tensor:
         """uint8 (C, H, W) on any device -> uint8 (C, size, size)."""
         if self.warp is not None:
-            image = F.resize(image, [self.warp, self.warp], antialias=True)
+            image = F.resize(image, [self.warp, self.warp], interpolation=self.interpolation, antialias=True)
         top, left, height, width, flip = params
-        out = F.resized_crop(image, top, left, height, width, [self.size, self.size], antialias=True)
+        out = F.resized_crop(
+            image, top, left, height, width, [self.size, self.size], self.interpolation, antialias=True
+        )
         return F.horizontal_flip(out) if flip else out
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
@@ -118,18 +136,27 @@ def train_transform(
     *,
     resize_mode: ResizeMode = "shorter_side",
     resize: int | None = None,
+    interpolation: str = "bilinear",
 ) -> TrainAugment:
     """RandomResizedCrop to ``size`` (+ flip) of the original, or of the image warped to ``resize`` squared
     (``resize_mode="warp"``; ``resize`` defaults to `default_resize(size)`)."""
-    return TrainAugment(size, scale, ratio, flip, resize_mode=resize_mode, resize=resize)
+    return TrainAugment(
+        size, scale, ratio, flip, resize_mode=resize_mode, resize=resize, interpolation=interpolation
+    )
 
 
 def test_transform(
-    size: int = 224, resize: int | None = None, resize_mode: ResizeMode = "shorter_side"
+    size: int = 224,
+    resize: int | None = None,
+    resize_mode: ResizeMode = "shorter_side",
+    interpolation: str = "bilinear",
 ) -> Transform:
-    """Shorter side to ``resize`` (or, with ``resize_mode="warp"``, the whole image to ``resize`` squared),
-    then the centre crop of ``size``; ``resize`` defaults to `default_resize(size)`."""
+    """Shorter side to ``resize`` (or, with ``resize_mode="warp"``, the whole image to ``resize`` squared,
+    as the papers and some timm/open_clip models are evaluated), then the centre crop of ``size``;
+    ``resize`` defaults to `default_resize(size)`."""
     _check_mode(resize_mode)
     side = resize or default_resize(size)
-    first = v2.Resize((side, side) if resize_mode == "warp" else side, antialias=True)
-    return v2.Compose([first, v2.CenterCrop(size)])
+    target: int | list[int] = [side, side] if resize_mode == "warp" else side
+    return v2.Compose(
+        [v2.Resize(target, interpolation=_mode(interpolation), antialias=True), v2.CenterCrop(size)]
+    )

@@ -6,12 +6,14 @@ All share `RankingLoss`'s call convention (`loss(embeddings, labels)`, an option
 
 from dmltrain.losses.base import LossParts, RankingLoss
 from dmltrain.losses.fastap import FastAPLoss
+from dmltrain.losses.levelwise import LevelwiseLoss
 from dmltrain.losses.ranked_list import RankedListLoss, TnSchedule
 from dmltrain.losses.smoothap import SmoothAPLoss
 from dmltrain.losses.triplet import TripletLoss
 
 __all__ = [
     "FastAPLoss",
+    "LevelwiseLoss",
     "LossParts",
     "RankedListLoss",
     "RankingLoss",

@@ -9,15 +9,31 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
 
-from dmltrain.data.transforms import Transform, test_transform
-from dmltrain.losses import FastAPLoss, RankedListLoss, RankingLoss, SmoothAPLoss, TnSchedule, TripletLoss
-from dmltrain.models import EmbeddingNet, build_model, parameter_groups
+from dmltrain.data.transforms import Transform
+from dmltrain.losses import (
+    FastAPLoss,
+    LevelwiseLoss,
+    RankedListLoss,
+    RankingLoss,
+    SmoothAPLoss,
+    TnSchedule,
+    TripletLoss,
+)
+from dmltrain.models import (
+    EmbeddingNet,
+    PreprocessConfig,
+    build_model,
+    check_model,
+    is_weights_file,
+    parameter_groups,
+    preprocessing_for,
+)
 from dmltrain.service.config import (
     ExperimentConfig,
     FastAPConfig,
     LossConfig,
-    ModelConfig,
     OptimConfig,
     RankedListConfig,
     SmoothAPConfig,
@@ -25,6 +41,62 @@ from dmltrain.service.config import (
 
 _FUSED_DEVICES = ("cpu", "cuda")
 _IMPLEMENTATION_FLAGS = ("fused", "foreach")
+
+
+def resolve_preprocessing(config: ExperimentConfig) -> PreprocessConfig:
+    """The backbone's own preprocessing (dmltrain.models.preprocessing_for) with the ``data.*`` overrides:
+    ``image_size``, ``resize``, ``resize_mode``, ``mean``, ``std``, ``interpolation``. Training, evaluation
+    and the saved model all use this one value."""
+    model, data = config.model, config.data
+    base = preprocessing_for(model.backbone, model.weights, model.backbone_kwargs)
+    crop_mode = None if data.resize_mode is None else ("squash" if data.resize_mode == "warp" else "center")
+    return base.with_overrides(
+        resolution=data.image_size,
+        resize=data.resize,
+        mean=data.mean,
+        std=data.std,
+        interpolation=data.interpolation,
+        crop_mode=crop_mode,
+    )
+
+
+def _model_options(config: ExperimentConfig, preprocessing: PreprocessConfig) -> dict:
+    m = config.model
+    return {
+        "pooling": m.pooling,
+        "gem_p": m.gem_p,
+        "multilevel": m.multilevel,
+        "image_size": preprocessing.resolution,
+        "backbone_kwargs": m.backbone_kwargs,
+    }
+
+
+def build_network(
+    config: ExperimentConfig, preprocessing: PreprocessConfig | None = None, *, pretrained: bool = True
+) -> EmbeddingNet:
+    """The configured embedding network. ``pretrained=False`` builds the same architecture without reading
+    ``model.weights`` (named weights are not downloaded, a local file is not read): for loading a trained
+    model's state dict into it (evaluation, serving, indexing)."""
+    m = config.model
+    preprocessing = preprocessing or resolve_preprocessing(config)
+    weights = None if not pretrained and is_weights_file(m.weights) else m.weights
+    return build_model(
+        m.backbone,
+        m.embedding_dim,
+        weights,
+        download=pretrained,
+        **_model_options(config, preprocessing),
+    )
+
+
+def check_network(config: ExperimentConfig) -> tuple[PreprocessConfig, int]:
+    """Resolve the preprocessing and build the network on the meta device (a local weights file is read
+    and matched): every model mistake surfaces here, before any worker starts. Returns the preprocessing
+    and the number of embedding levels."""
+    preprocessing = resolve_preprocessing(config)
+    m = config.model
+    net = check_model(m.backbone, m.embedding_dim, m.weights, **_model_options(config, preprocessing))
+    return preprocessing, net.levels
 
 
 def build_optimizer(model: EmbeddingNet, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -86,15 +158,17 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, total_steps, step))
 
 
-def build_loss(cfg: LossConfig) -> RankingLoss:
-    """The configured ranking loss with the papers' argument names and the memory budgets."""
+def build_loss(cfg: LossConfig, levels: int = 1) -> nn.Module:
+    """The configured ranking loss with the papers' argument names and the memory budgets; with a
+    multi-level embedding (``levels`` > 1) one such loss per level, averaged (RLL Sec. 4.1.3)."""
     memory = {"memory_budget_mb": cfg.memory_budget_mb, "saved_budget_mb": cfg.saved_budget_mb}
+    loss: RankingLoss
     if isinstance(cfg, FastAPConfig):
-        return FastAPLoss(num_bins=cfg.num_bins, **memory)
-    if isinstance(cfg, SmoothAPConfig):
-        return SmoothAPLoss(temperature=cfg.temperature, **memory)
-    if isinstance(cfg, RankedListConfig):
-        return RankedListLoss(
+        loss = FastAPLoss(num_bins=cfg.num_bins, **memory)
+    elif isinstance(cfg, SmoothAPConfig):
+        loss = SmoothAPLoss(temperature=cfg.temperature, **memory)
+    elif isinstance(cfg, RankedListConfig):
+        loss = RankedListLoss(
             margin=cfg.margin,
             alpha=cfg.alpha,
             tn=cfg.tn,
@@ -103,24 +177,23 @@ def build_loss(cfg: LossConfig) -> RankingLoss:
             gradient=cfg.gradient,
             **memory,
         )
-    return TripletLoss(margin=cfg.margin, triplets=cfg.triplets, **memory)
+    else:
+        loss = TripletLoss(margin=cfg.margin, triplets=cfg.triplets, **memory)
+    return LevelwiseLoss(loss, levels) if levels > 1 else loss
 
 
-def build_tn_schedule(cfg: LossConfig, loss: RankingLoss) -> TnSchedule | None:
+def build_tn_schedule(cfg: LossConfig, loss: nn.Module) -> TnSchedule | None:
     """RLL's dynamic Tn (Eq. 15) when the config asks for one; it drives ``loss.tn`` as it steps."""
     if isinstance(cfg, RankedListConfig) and cfg.tn_schedule is not None:
-        assert isinstance(loss, RankedListLoss)
-        return TnSchedule(loss, cfg.tn_schedule.start, cfg.tn_schedule.end, cfg.tn_schedule.steps)
+        base = loss.base if isinstance(loss, LevelwiseLoss) else loss
+        assert isinstance(base, RankedListLoss)
+        return TnSchedule(base, cfg.tn_schedule.start, cfg.tn_schedule.end, cfg.tn_schedule.steps)
     return None
 
 
-def build_test_transform(config: ExperimentConfig) -> Transform:
+def build_test_transform(
+    config: ExperimentConfig, preprocessing: PreprocessConfig | None = None
+) -> Transform:
     """The test-time resize + centre crop of a run: evaluation, the served MLflow model and `dmltrain index`
     all take it from here, so they see images exactly alike."""
-    return test_transform(config.data.image_size, config.data.resize, config.data.resize_mode)
-
-
-def build_network(config: ModelConfig, pretrained: bool = True) -> EmbeddingNet:
-    """The run's embedding network; ``pretrained=False`` builds the architecture only (no weight download),
-    for loading a trained model file into it (evaluation, serving, indexing)."""
-    return build_model(config.backbone, config.embedding_dim, config.weights if pretrained else None)
+    return (preprocessing or resolve_preprocessing(config)).test_transform()

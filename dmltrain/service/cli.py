@@ -251,12 +251,43 @@ def _run_search(args: argparse.Namespace) -> int:
     return 0
 
 
+def _register_verify(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "1:1 template verification (IJB-C style) of a trained model: template features are media-averaged "
+        "image embeddings; prints TAR at each FAR as JSON. Template file: 'IMAGE TEMPLATE_ID [MEDIA_ID]' "
+        "per line; pair file: 'TEMPLATE_ID TEMPLATE_ID 0|1' per line (IJB-C's own files as published)."
+    )
+    parser.add_argument("model", help="model.pt written by a dmltrain run")
+    parser.add_argument("templates", help="template file, e.g. ijbc_face_tid_mid.txt")
+    parser.add_argument("pairs", help="pair file, e.g. ijbc_template_pair_label.txt")
+    parser.add_argument("--image-root", required=True, help="folder the template file's image paths are in")
+    parser.add_argument("--far", type=float, nargs="+", default=[1e-3, 1e-4], help="false accept rates")
+    parser.add_argument("--batch-size", type=int, default=128)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    import json
+
+    from dmltrain.service.verify import verify_saved_model
+
+    try:
+        metrics = verify_saved_model(
+            args.model, args.templates, args.pairs, args.image_root, args.batch_size, args.far
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"dmltrain verify: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(metrics, indent=2, sort_keys=True))
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Register, Run]] = {
     "prepare": ("convert a data set into shards + dataset.json", _register_prepare, _run_prepare),
     "train": ("train on Ray with a config (python -m dmltrain.run)", _register_train, _run_train),
     "evaluate": ("evaluate a trained model on a prepared data set", _register_evaluate, _run_evaluate),
     "index": ("build a faiss index of a prepared split with a trained model", _register_index, _run_index),
     "search": ("nearest indexed images of query images", _register_search, _run_search),
+    "verify": ("1:1 template verification (TAR at FAR) of a trained model", _register_verify, _run_verify),
 }
 
 

@@ -32,17 +32,25 @@ class DataConfig(_Section):
         default=None, description="Build this embedded data set into `root` on first use (no download)."
     )
     train_split: str = "train"
-    image_size: int = Field(default=224, ge=8, description="Side of the square crop the network sees.")
+    image_size: int | None = Field(
+        default=None, ge=8, description="Side of the square crop the network sees; None = the backbone's."
+    )
     resize: int | None = Field(
         default=None,
         ge=8,
         description="Resize before cropping: the test-time shorter side (shorter_side) or the square every "
-        "image is warped to for train and test (warp); None = image_size x 256/224.",
+        "image is warped to for train and test (warp); None = the backbone's share.",
     )
-    resize_mode: Literal["shorter_side", "warp"] = Field(
-        default="shorter_side",
+    resize_mode: Literal["shorter_side", "warp"] | None = Field(
+        default=None,
         description="shorter_side: train crops the original, test keeps the aspect ratio; warp: every image "
-        "is first warped to resize x resize (FastAP 5.1, Smooth-AP 5.3, RLL 4.1.2).",
+        "is first warped to resize x resize (FastAP 5.1, Smooth-AP 5.3, RLL 4.1.2); None = the backbone's "
+        "(shorter_side, or warp for timm/open_clip models evaluated squashed).",
+    )
+    mean: tuple[float, float, float] | None = Field(default=None, description="None = the backbone's.")
+    std: tuple[float, float, float] | None = Field(default=None, description="None = the backbone's.")
+    interpolation: Literal["bilinear", "bicubic", "nearest"] | None = Field(
+        default=None, description="Resize filter; None = the backbone's."
     )
     crop_scale: tuple[float, float] = Field(default=(0.16, 1.0), description="RandomResizedCrop scale range.")
     loader_workers: int = Field(default=2, ge=0, description="DataLoader processes per Ray worker.")
@@ -58,6 +66,10 @@ class DataConfig(_Section):
         lo, hi = self.crop_scale
         if not 0 < lo <= hi <= 1:
             raise ValueError(f"crop_scale must satisfy 0 < low <= high <= 1, got {self.crop_scale}")
+        if self.image_size is not None and self.resize is not None and self.resize < self.image_size:
+            raise ValueError(f"resize={self.resize} must be at least image_size={self.image_size}")
+        if self.std is not None and min(self.std) <= 0:
+            raise ValueError(f"std must be positive, got {self.std}")
         return self
 
 
@@ -79,13 +91,29 @@ class SamplerConfig(_Section):
 
 
 class ModelConfig(_Section):
-    """torchvision backbone with its classifier replaced by a linear embedding and L2 normalisation."""
+    """Backbone with its classifier replaced by a linear embedding and L2 normalisation."""
 
-    backbone: str = "resnet50"
-    embedding_dim: int = Field(default=512, ge=1)
+    backbone: str = Field(
+        default="resnet50",
+        description="torchvision name (resnet50), timm:<name> (timm:vit_small_patch14_dinov2) or "
+        "open_clip:<name> (open_clip:ViT-B-32).",
+    )
+    embedding_dim: int = Field(default=512, ge=1, description="Output size (all levels together).")
     weights: str | None = Field(
         default=None,
-        description="None, a torchvision weights name (e.g. IMAGENET1K_V2, DEFAULT) or a local file path.",
+        description="None (random init); named weights: torchvision (IMAGENET1K_V2, DEFAULT), timm (DEFAULT "
+        "or a pretrained tag), open_clip (a pretrained tag such as openai); or a local file path.",
+    )
+    pooling: Literal["avg", "gem"] = Field(
+        default="avg", description="gem: learnable generalized-mean pooling for CNNs (Radenovic et al.)."
+    )
+    gem_p: float = Field(default=3.0, gt=0, description="Initial GeM exponent.")
+    multilevel: bool | list[str] = Field(
+        default=False,
+        description="RLL multi-level embedding: true (three default depths) or the feature names to tap.",
+    )
+    backbone_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to the library's model constructor."
     )
     freeze_bn: bool = Field(
         default=True,
@@ -93,6 +121,12 @@ class ModelConfig(_Section):
         "normalised with its own batch statistics, so the step is no longer the exact global-batch gradient "
         "(it changes with train.chunk_size and scaling.num_workers).",
     )
+
+    @model_validator(mode="after")
+    def _check_levels(self) -> ModelConfig:
+        if isinstance(self.multilevel, list) and len(self.multilevel) < 2:
+            raise ValueError("multilevel lists at least two feature names (or is true)")
+        return self
 
 
 class _LossSection(_Section):
@@ -331,6 +365,11 @@ class ExperimentConfig(_Section):
             raise ValueError(
                 f"loss.triplets=sampled scores the triplet sampler's triplets but sampler.name is "
                 f"{self.sampler.name!r}: set sampler.name=triplet, or loss.triplets=all"
+            )
+        if self.model.multilevel and self.loss.name == "triplet":
+            raise ValueError(
+                "model.multilevel trains one loss per level, which the triplet loss cannot (its normaliser "
+                "differs per level): use fastap, smoothap or rll"
             )
         return self
 

@@ -21,7 +21,8 @@ from dmltrain.distributed import all_gather_objects, all_gather_sizes, all_gathe
 from dmltrain.evaluation import nearest_neighbors, retrieval_metrics
 from dmltrain.index import approximate_retrieval_metrics
 from dmltrain.inference import embed_batch
-from dmltrain.service.builders import build_test_transform
+from dmltrain.models import PreprocessConfig
+from dmltrain.service.builders import resolve_preprocessing
 
 if TYPE_CHECKING:
     from dmltrain.service.config import ExperimentConfig
@@ -57,8 +58,15 @@ def embed_split(
     world: int,
     keep_thumbnails: bool,
     autocast_dtype: torch.dtype | None = None,
+    preprocessing: PreprocessConfig | None = None,
 ) -> EmbeddedSplit:
-    """Embed this rank's shards of ``split`` and gather every rank's rows (in rank order)."""
+    """Embed this rank's shards of ``split`` and gather every rank's rows (in rank order).
+
+    ``preprocessing`` is the run's resolved test-time preprocessing (default: resolved from the config).
+    """
+    if preprocessing is None:
+        preprocessing = resolve_preprocessing(config)
+    normalize = preprocessing.normalizer()
     loader = EvalLoader(
         config.data.root,
         split,
@@ -66,7 +74,7 @@ def embed_split(
         rank=rank,
         world_size=world,
         num_workers=config.data.loader_workers,
-        transform=build_test_transform(config),
+        transform=preprocessing.test_transform(),
         info=info,
     )
     was_training = net.training
@@ -80,7 +88,7 @@ def embed_split(
     for images, batch_labels, _categories, _keys in loader:
         if limit is not None and seen >= limit // world:
             break
-        chunks.append(embed_batch(net, images, device, autocast_dtype))
+        chunks.append(embed_batch(net, images, device, autocast_dtype, normalize))
         labels.append(batch_labels)
         if keep_thumbnails:
             thumbs.append(_thumbnail(images))
@@ -148,6 +156,7 @@ def evaluate(
     logger: RunLogger | None,
     step: int,
     autocast_dtype: torch.dtype | None = None,
+    preprocessing: PreprocessConfig | None = None,
 ) -> dict[str, float]:
     """Run the dataset's evaluations (dataset.json ``evaluations``); rank 0 returns and plots metrics."""
     from dmltrain.plots import recall_at_k_curve
@@ -155,7 +164,9 @@ def evaluate(
     want_grid = config.eval.grid_queries > 0
     splits = {s for ev in info.evaluations for s in (ev.query, ev.gallery) if s is not None}
     embedded = {
-        split: embed_split(net, config, info, split, device, rank, world, want_grid, autocast_dtype)
+        split: embed_split(
+            net, config, info, split, device, rank, world, want_grid, autocast_dtype, preprocessing
+        )
         for split in sorted(splits)
     }
     metrics: dict[str, float] = {}

@@ -1,8 +1,8 @@
 """Evaluate a finished model outside training: one process, no Ray.
 
 The model is found by reference (a local ``model.pt`` or MLflow model folder, ``runs:/`` or ``models:/``);
-its weights file holds the resolved config, so the network and the image size are rebuilt exactly as trained;
-only the data location changes.
+its weights file holds the resolved config and test-time preprocessing, so the network and its input
+pipeline are rebuilt exactly as trained (no weights are downloaded); only the data location changes.
 """
 
 from __future__ import annotations
@@ -35,4 +35,14 @@ def evaluate_saved_model(
         raw["eval"]["index"] = index
     config = ExperimentConfig.model_validate(raw)
     info = load_dataset_info(data_root)
-    return evaluate(loaded.net, config, info, loaded.device, rank=0, world=1, logger=None, step=0)
+    return evaluate(
+        loaded.net,
+        config,
+        info,
+        loaded.device,
+        rank=0,
+        world=1,
+        logger=None,
+        step=0,
+        preprocessing=loaded.preprocessing,
+    )

@@ -13,8 +13,9 @@ from __future__ import annotations
 import importlib.util
 
 from dmltrain.data import BatchError, DatasetInfo, SamplerSpec, check_batch, ensure_glyphs, load_dataset_info
-from dmltrain.models import check_model
+from dmltrain.models import MissingExtraError
 from dmltrain.service.best import resolve_best_metric
+from dmltrain.service.builders import check_network
 from dmltrain.service.config import ConfigError, ExperimentConfig
 
 INSTALL_HINT = "pip install 'dmltrain[cpu]' (or 'dmltrain[gpu]' on CUDA machines; '.[cpu]' from a checkout)"
@@ -23,8 +24,10 @@ INSTALL_HINT = "pip install 'dmltrain[cpu]' (or 'dmltrain[gpu]' on CUDA machines
 def check_config(config: ExperimentConfig) -> None:
     """What can be checked from the config alone (no data, no Ray); raises ConfigError naming the key."""
     try:
-        check_model(config.model.backbone, config.model.embedding_dim, config.model.weights)
-    except (ValueError, FileNotFoundError) as error:  # messages start with the key (model.backbone=...)
+        # The whole network (any backbone kind, GeM, levels, a weights file matched against it) and its
+        # preprocessing, on the meta device.
+        check_network(config)
+    except (ValueError, FileNotFoundError, MissingExtraError) as error:  # messages start with the key
         raise ConfigError(_one_line(error)) from None
     if config.eval.grid_queries > 0 and importlib.util.find_spec("faiss") is None:
         raise ConfigError(

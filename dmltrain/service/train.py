@@ -33,14 +33,16 @@ from dmltrain.acceleration import (
 from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
 from dmltrain.distributed import all_gather_objects, broadcast_object
 from dmltrain.engine import global_batch_step
-from dmltrain.models import EmbeddingNet, build_model, normalize_images
+from dmltrain.models import EmbeddingNet
 from dmltrain.service.best import SCORE_KEY, BestTracker, resolve_best_metric, worst_score
 from dmltrain.service.builders import (
     build_loss,
+    build_network,
     build_optimizer,
     build_scheduler,
     build_tn_schedule,
     load_optimizer_state,
+    resolve_preprocessing,
 )
 from dmltrain.service.checkpoints import (
     TrainingState,
@@ -210,7 +212,11 @@ class WorkerLoop:
         # Explicit, because Ray exports OMP_NUM_THREADS=<CPUs of the worker> only when it is unset.
         torch.set_num_threads(config.scaling.torch_threads or max(1, int(config.scaling.cpus_per_worker)))
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
-        model = build_model(config.model.backbone, config.model.embedding_dim, config.model.weights)
+        # The backbone's own resolution, resize rule, interpolation and mean/std (config overrides applied):
+        # the same value drives the train/test transforms, the normalisation and the saved model.
+        self.preprocessing = resolve_preprocessing(config)
+        self.normalize = self.preprocessing.normalizer()
+        model = build_network(config, self.preprocessing)
         self.precision = resolve_precision(config.train.precision, self.device)
         self.channels_last = resolve_channels_last(config.train.channels_last, self.device, model)
         if self.channels_last:
@@ -222,7 +228,7 @@ class WorkerLoop:
         self.params = [p for p in self.net.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.net, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.train.steps)
-        self.loss_fn = build_loss(config.loss).to(self.device)
+        self.loss_fn = build_loss(config.loss, self.net.levels).to(self.device)
         self.tn_schedule = build_tn_schedule(config.loss, self.loss_fn)
         self.info = load_dataset_info(config.data.root)
         self.stream = TrainLoader(
@@ -233,10 +239,7 @@ class WorkerLoop:
             rank=self.rank,
             world_size=self.world,
             num_workers=config.data.loader_workers,
-            image_size=config.data.image_size,
-            crop_scale=config.data.crop_scale,
-            resize_mode=config.data.resize_mode,
-            resize=config.data.resize,
+            transform=self.preprocessing.train_transform(config.data.crop_scale),
             info=self.info,
             decode=_decode_mode(config.data.decode, self.device),
             device=self.device,
@@ -404,6 +407,7 @@ class WorkerLoop:
             self.logger,
             self.step,
             self.autocast,
+            self.preprocessing,
         )
 
     # ------------------------------------------------------------------ training
@@ -428,7 +432,7 @@ class WorkerLoop:
             labels,
             self.loss_fn,
             cfg.train.chunk_size,
-            preprocess=normalize_images,
+            preprocess=self.normalize,
             freeze_bn=cfg.model.freeze_bn,
             autocast_dtype=self.autocast,
             skip_nonfinite=True,
@@ -563,7 +567,7 @@ class WorkerLoop:
                     metrics["train/grad_scale"] = float(self.scaler.get_scale())
                     metrics["train/overflow_steps"] = self.counters.overflow_steps
                 if self.tn_schedule is not None:
-                    metrics["train/rll_tn"] = float(self.loss_fn.tn)
+                    metrics["train/rll_tn"] = float(self.tn_schedule.loss.tn)
                 self._log(metrics)
                 if self.rank == 0 and window.steps:
                     log.info(

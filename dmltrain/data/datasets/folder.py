@@ -1,4 +1,9 @@
-"""`folder`: one sub-folder per class (ImageFolder layout), optionally under train/test split folders."""
+"""`folder`: one sub-folder per class (ImageFolder layout), optionally under train/test split folders.
+
+Identity-per-folder face sets fit as they are published: VGGFace2 is `train/n000002/0001_01.jpg`,
+`test/n000001/...` beside list files and a `bb_landmark/` metadata folder, and becomes a train split of
+8,631 identities and a test split of 500 (leave-one-out, Smooth-AP's VGGFace2 protocol reports its mAP).
+"""
 
 from __future__ import annotations
 
@@ -17,9 +22,15 @@ def scan_folder(source: Path, test_fraction: float = 0.0, seed: int = 0) -> Sour
     if not source.is_dir():
         raise SourceLayoutError(f"folder: {source} is not a directory")
     subdirs = sorted(p for p in source.iterdir() if p.is_dir())
-    if subdirs and all(p.name in SPLIT_NAMES for p in subdirs):
-        items = [it for d in subdirs for it in _class_items(d, d.name, source)]
-        splits = [s for s in SPLIT_NAMES if any(d.name == s for d in subdirs)]
+    split_dirs = [p for p in subdirs if p.name in SPLIT_NAMES]
+    # Published layouts keep metadata folders beside the split folders (VGGFace2's bb_landmark/): those
+    # hold no images and are skipped with a note; a folder that does hold images makes it a class folder.
+    others = [p for p in subdirs if p.name not in SPLIT_NAMES]
+    notes = []
+    if split_dirs and not any(_has_images(p) for p in others):
+        items = [it for d in split_dirs for it in _class_items(d, d.name, source)]
+        splits = [s for s in SPLIT_NAMES if any(d.name == s for d in split_dirs)]
+        notes = [f"folder: {p.name}/ holds no images and is not a split: ignored" for p in others]
     else:
         items = _class_items(source, "train", source)
         held_out = split_classes([it.class_name for it in items], test_fraction, seed)
@@ -40,8 +51,13 @@ def scan_folder(source: Path, test_fraction: float = 0.0, seed: int = 0) -> Sour
         items=items,
         evaluations=evaluations,
         split_order=splits,
+        notes=notes,
         options={"test_fraction": test_fraction, "seed": seed},
     )
+
+
+def _has_images(directory: Path) -> bool:
+    return any(p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES for p in directory.rglob("*"))
 
 
 def _class_items(directory: Path, split: str, root: Path) -> list[SourceItem]:

@@ -56,9 +56,10 @@ def embed_split(
         info=info,
         with_shards=True,
     )
+    normalize = model.preprocessing.normalizer()
     chunks, shards, keys, labels = [], [], [], []
     for images, batch_labels, _categories, batch_keys, batch_shards in loader:
-        chunks.append(embed_batch(model.net, images, model.device).cpu().numpy())
+        chunks.append(embed_batch(model.net, images, model.device, None, normalize).cpu().numpy())
         labels.append(batch_labels.numpy())
         keys += batch_keys
         shards += batch_shards
@@ -161,7 +162,9 @@ def search_images(
             raise FileNotFoundError(f"image not found: {file}")
         data.append(file.read_bytes())
     model = load_embedding_model(model_ref or stored.meta["model"], tracking_uri)
-    embeddings = embed_images(model.net, data, model.transform, model.device)
+    embeddings = embed_images(
+        model.net, data, model.transform, model.device, normalize=model.preprocessing.normalizer()
+    )
     scores, ids = stored.search(embeddings, k)
     names = stored.meta.get("class_names", {})
     results = []

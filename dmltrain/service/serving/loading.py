@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dmltrain.data.transforms import Transform
-from dmltrain.models import EmbeddingNet
+from dmltrain.models import EmbeddingNet, PreprocessConfig
 from dmltrain.service.config import ExperimentConfig
 from dmltrain.service.serving.weights import WEIGHTS_FILE, load_weights
 
@@ -26,6 +26,7 @@ class LoadedModel:
     net: EmbeddingNet
     config: ExperimentConfig
     transform: Transform
+    preprocessing: PreprocessConfig  # the run's test-time resize/crop, mean/std, interpolation
     device: torch.device
     source: str  # the reference as given (local paths made absolute)
     run_id: str | None  # the MLflow run that logged it, if known
@@ -38,15 +39,18 @@ def is_mlflow_uri(ref: str) -> bool:
 
 def network_from_weights(
     saved: dict[str, Any], device: torch.device
-) -> tuple[EmbeddingNet, ExperimentConfig, Transform]:
-    """Rebuild the network of a weights file (architecture only, then its state dict) and its transform."""
-    from dmltrain.service.builders import build_network, build_test_transform
+) -> tuple[EmbeddingNet, ExperimentConfig, PreprocessConfig]:
+    """Rebuild the network of a weights file (architecture only, then its state dict) and its test-time
+    preprocessing: the one stored with the weights (``preprocess``), else resolved from the config."""
+    from dmltrain.service.builders import build_network, resolve_preprocessing
 
     config = ExperimentConfig.model_validate(saved["config"])
-    net = build_network(config.model, pretrained=False)
+    stored = saved.get("preprocess")
+    preprocessing = PreprocessConfig.from_dict(stored) if stored else resolve_preprocessing(config)
+    net = build_network(config, preprocessing, pretrained=False)
     net.load_state_dict(saved["model"])
     net.to(device).eval()
-    return net, config, build_test_transform(config)
+    return net, config, preprocessing
 
 
 def _weights_in(directory: Path) -> Path:
@@ -101,7 +105,16 @@ def load_embedding_model(
     weights, run_id = locate(ref, tracking_uri)
     saved = load_weights(weights)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    net, config, transform = network_from_weights(saved, device)
+    net, config, preprocessing = network_from_weights(saved, device)
     source = ref if is_mlflow_uri(ref) else str(Path(ref).expanduser().resolve())
     step = saved.get("step")
-    return LoadedModel(net, config, transform, device, source, run_id, None if step is None else int(step))
+    return LoadedModel(
+        net,
+        config,
+        preprocessing.test_transform(),
+        preprocessing,
+        device,
+        source,
+        run_id,
+        None if step is None else int(step),
+    )

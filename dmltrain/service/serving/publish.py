@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dmltrain.service.best import SCORE_KEY, is_scored
+from dmltrain.service.builders import resolve_preprocessing
 from dmltrain.service.checkpoints import load_state
 from dmltrain.service.config import ExperimentConfig
 from dmltrain.service.serving.pyfunc import log_embedding_model
@@ -41,7 +42,11 @@ def _log_checkpoint(
     with checkpoint.as_directory() as directory, tempfile.TemporaryDirectory() as tmp:
         state = load_state(directory)
         weights = save_weights(
-            Path(tmp) / WEIGHTS_FILE, state.model, config.model_dump(mode="json"), state.step
+            Path(tmp) / WEIGHTS_FILE,
+            state.model,
+            config.model_dump(mode="json"),
+            state.step,
+            resolve_preprocessing(config).to_dict(),  # the backbone's own, with the run's data.* overrides
         )
         info = log_embedding_model(tracking, run_id, name, weights, step=state.step, tags=tags)
     log.info("logged %s (step %d) as runs:/%s/%s", name, state.step, run_id, name)

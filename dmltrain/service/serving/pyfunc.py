@@ -85,14 +85,18 @@ with warnings.catch_warnings():  # MLflow nags at class creation about type hint
 
             saved = load_weights(context.artifacts[WEIGHTS_ARTIFACT])
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            self.net, self.config, self.transform = network_from_weights(saved, self.device)
+            self.net, self.config, self.preprocessing = network_from_weights(saved, self.device)
+            self.transform = self.preprocessing.test_transform()
+            self.normalize = self.preprocessing.normalizer()
 
         # model_input is left unannotated: MLflow would otherwise try to derive a schema from the type hint.
         def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
             from dmltrain.inference import embed_images
 
             batch_size = int((params or {}).get("batch_size", 64))
-            return embed_images(self.net, _images(model_input), self.transform, self.device, batch_size)
+            return embed_images(
+                self.net, _images(model_input), self.transform, self.device, batch_size, self.normalize
+            )
 
 
 def pip_requirements(backbone: str) -> list[str]:
@@ -164,7 +168,10 @@ def log_embedding_model(
 
     saved = load_weights(weights_file)
     model_cfg, data_cfg = saved["config"]["model"], saved["config"]["data"]
-    example = pd.DataFrame({"image": [_example_png(int(data_cfg.get("resize") or data_cfg["image_size"]))]})
+    side = (
+        (saved.get("preprocess") or {}).get("resize") or data_cfg.get("resize") or data_cfg.get("image_size")
+    )
+    example = pd.DataFrame({"image": [_example_png(int(side or 224))]})
     with tempfile.TemporaryDirectory() as tmp, tracking_uri(tracking):
         code = _package_copy(Path(tmp))
         # Created here because Model.log without an active run files the model under the default

@@ -1,4 +1,5 @@
-"""The weights file inside every dmltrain model: ``{"model": state_dict, "config": resolved config, "step"}``.
+"""The weights file inside every dmltrain model: ``{"model": state_dict, "config": resolved config, "step",
+"preprocess": the resolved test-time preprocessing (dmltrain.models.PreprocessConfig.to_dict())}``.
 
 Plain tensors and JSON-like values only, so ``torch.load(..., weights_only=True)`` reads it: loading a model
 never unpickles arbitrary objects.
@@ -16,10 +17,17 @@ WEIGHTS_FILE = "model.pt"
 
 
 def save_weights(
-    path: str | os.PathLike[str], state_dict: dict[str, Any], config: dict[str, Any], step: int
+    path: str | os.PathLike[str],
+    state_dict: dict[str, Any],
+    config: dict[str, Any],
+    step: int,
+    preprocess: dict[str, Any] | None = None,
 ) -> Path:
     out = Path(path)
-    torch.save({"model": state_dict, "config": config, "step": int(step)}, out)
+    payload = {"model": state_dict, "config": config, "step": int(step)}
+    if preprocess is not None:
+        payload["preprocess"] = preprocess
+    torch.save(payload, out)
     return out
 
 
