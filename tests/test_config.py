@@ -90,6 +90,16 @@ def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
         load_config(path, ["train.global_batch_size=129"])
 
 
+def test_worker_environment_keys(tmp_path: Path) -> None:
+    from dmltrain.service.run import worker_env_vars
+
+    path = CONFIGS[0].parent / "quickstart.yaml"
+    assert worker_env_vars(load_config(path)) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert worker_env_vars(load_config(path, ["scaling.omp_wait_policy=null"])) == {}
+    with pytest.raises(ConfigError, match=r"scaling\.omp_wait_policy"):
+        load_config(path, ["scaling.omp_wait_policy=spin"])
+
+
 def test_missing_file_and_required_keys(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dmltrain.models import build_model, normalize_images
-from dmltrain.service.builders import build_optimizer, lr_factor
+from dmltrain.service.builders import build_optimizer, load_optimizer_state, lr_factor
 from dmltrain.service.config import OptimConfig
 
 
@@ -56,6 +56,49 @@ def test_head_learns_ten_times_faster() -> None:
     assert rates == {"backbone": 0.01, "embedding": pytest.approx(0.1)}
     n_params = sum(len(g["params"]) for g in optimizer.param_groups)
     assert n_params == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd"])
+def test_optimizer_is_fused_on_cpu_and_matches_the_default(name: str) -> None:
+    torch.manual_seed(0)
+    model = build_model("resnet18", 8)
+    reference = build_model("resnet18", 8)
+    reference.load_state_dict(model.state_dict())
+    cfg = OptimConfig(name=name, lr=0.01, weight_decay=1e-4)
+    fused = build_optimizer(model, cfg)
+    assert all(group["fused"] for group in fused.param_groups)
+    plain_groups = [
+        {**{k: v for k, v in g.items() if k not in ("params", "fused")}, "params": list(r)}
+        for g, r in zip(
+            fused.param_groups,
+            [reference.backbone.parameters(), reference.embedding.parameters()],
+            strict=True,
+        )
+    ]
+    plain = type(fused)(plain_groups)
+    initial = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 3, 32, 32)
+    for net, opt in ((model, fused), (reference, plain)):  # one update: later ones amplify rounding
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+    for (key, value), other in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(value, other, rtol=1e-5, atol=1e-7, msg=key)
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), initial, strict=True))
+
+
+def test_resuming_an_unfused_optimizer_state_stays_fused() -> None:
+    model = build_model("resnet18", 8)
+    cfg = OptimConfig(name="adam", lr=0.01)
+    old = build_optimizer(model, cfg)
+    for group in old.param_groups:  # as checkpoints written before fusing have them
+        group["fused"] = None
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    old.step()
+    resumed = build_optimizer(model, cfg)
+    load_optimizer_state(resumed, old.state_dict())
+    assert all(group["fused"] for group in resumed.param_groups)
+    assert resumed.state_dict()["state"][0]["step"].item() == 1.0
 
 
 def test_schedule_shapes() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -93,7 +92,6 @@ def test_data_errors_name_the_root_in_one_line(glyphs_root: Path, tmp_path: Path
 )
 def test_cli_fails_before_ray_is_contacted(config: str, overrides: list[str], expected: str) -> None:
     """The two errors measured failing only inside workers (retried 3 times each) now stop the driver."""
-    started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "dmltrain.run", config, *overrides],
         cwd=REPO,
@@ -104,4 +102,3 @@ def test_cli_fails_before_ray_is_contacted(config: str, overrides: list[str], ex
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert expected in proc.stderr and "Traceback" not in proc.stderr
-    assert time.monotonic() - started < 60

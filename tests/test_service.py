@@ -61,7 +61,6 @@ def _artifacts(client: MlflowClient, run_id: str, path: str | None = None) -> se
 
 
 def test_config_typo_fails_before_ray_starts(tmp_path: Path) -> None:
-    started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "dmltrain.run", "configs/quickstart.yaml", "optim.lr_rate=0.1"],
         cwd=REPO,
@@ -73,7 +72,6 @@ def test_config_typo_fails_before_ray_starts(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "optim.lr_rate: unknown key" in proc.stderr and "configs/quickstart.yaml" in proc.stderr
     assert "ray" not in proc.stderr.lower().replace("ray_results", "")
-    assert time.monotonic() - started < 60
 
 
 def test_run_logs_then_resumes_into_the_same_mlflow_run(
@@ -105,6 +103,11 @@ def test_run_logs_then_resumes_into_the_same_mlflow_run(
     assert {f"checkpoints/latest/{name}" for name in checkpoint} <= files
     assert {"plots/recall_at_k/step_0000006.png", "plots/retrievals/step_0000006.png"} <= files
     assert run.data.tags["dmltrain.checkpoint_step"] == "6"
+    # Ray started the workers with the config's OpenMP policy and thread count.
+    assert run.data.tags["dmltrain.omp_wait_policy"] == "PASSIVE"
+    assert run.data.tags["dmltrain.torch_threads"] == "1"
+    times = {k for k in run.data.metrics if k.startswith("time/")}
+    assert {"time/step_seconds", "time/eval_seconds", "time/checkpoint_seconds", "time/loop_seconds"} <= times
 
     # The same launch again: the run is finished at train.steps, so nothing trains and nothing changes.
     same = launch(config)

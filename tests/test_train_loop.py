@@ -120,6 +120,13 @@ def test_checkpoint_round_trip_continues_the_run(glyphs_root: Path, tmp_path: Pa
     assert first.reports[1]["checkpoint_score"] == first.reports[1]["eval/test/recall@1"]
     assert sorted(p.name for p in storage.iterdir()) == ["checkpoint_000000002", "checkpoint_000000004"]
     final_weights = {k: v.clone() for k, v in loop.net.state_dict().items()}
+    # Where the time went (time/* in MLflow): the parts fit inside the loop's wall time.
+    t = {k.removeprefix("time/"): v for k, v in MlflowClient(uri).get_run(run_id).data.metrics.items()}
+    assert t["eval_seconds"] > 0 and t["checkpoint_seconds"] > 0 and t["log_seconds"] > 0
+    assert t["comm_seconds"] <= t["engine_seconds"]
+    assert t["data_seconds"] + t["engine_seconds"] + t["update_seconds"] <= t["step_seconds"]
+    parts = t["step_seconds"] + t["eval_seconds"] + t["checkpoint_seconds"] + t["log_seconds"]
+    assert parts <= t["loop_seconds"] <= parts + 5.0
     client = MlflowClient(uri)
     assert client.get_run(run_id).data.tags["dmltrain.checkpoint_step"] == "4"
 

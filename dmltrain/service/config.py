@@ -277,7 +277,15 @@ class ScalingConfigSection(_Section):
         description="auto: GPUs if the cluster has some when the run is submitted (GPU configs say true).",
     )
     cpus_per_worker: float = Field(default=1.0, gt=0)
-    torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads per worker.")
+    torch_threads: int | None = Field(
+        default=None, ge=1, description="torch intra-op threads per worker; None = cpus_per_worker."
+    )
+    omp_wait_policy: Literal["passive", "active"] | None = Field(
+        default="passive",
+        description="OMP_WAIT_POLICY of the workers: passive threads sleep between parallel regions instead "
+        "of spinning, which keeps multi-threaded steps fast when loader processes or other jobs share the "
+        "cores (bench/service.py); None = inherit the environment.",
+    )
     topology: Literal["auto", "single-node", "multi-node"] = Field(
         default="auto",
         description="auto: multi-node when Ray reports several nodes or the driver joined an existing "

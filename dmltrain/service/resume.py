@@ -44,6 +44,7 @@ RESUMABLE_KEYS = frozenset(
         "run.keep_checkpoints",
         "run.resume",
         "scaling.torch_threads",
+        "scaling.omp_wait_policy",
         "scaling.topology",
         "data.prepare",
         "data.decode",

@@ -96,6 +96,15 @@ def resolve_paths(config: ExperimentConfig, base: Path | None = None) -> Experim
     return ExperimentConfig.model_validate(data)
 
 
+def worker_env_vars(config: ExperimentConfig) -> dict[str, str]:
+    """Environment the training workers start with. OpenMP reads OMP_WAIT_POLICY once, when torch loads,
+    so it has to be in the worker's environment from the start (Ray's worker runtime env)."""
+    env = {}
+    if config.scaling.omp_wait_policy is not None:
+        env["OMP_WAIT_POLICY"] = config.scaling.omp_wait_policy.upper()
+    return env
+
+
 def prepare_data(config: ExperimentConfig) -> DatasetInfo:
     """Build the embedded data set if asked, then check the shards' metadata before any worker starts."""
     info = load_data(config)
@@ -327,6 +336,7 @@ def launch(
             ),
             failure_config=FailureConfig(max_failures=config.run.max_failures),
             callbacks=[StopOnFatalError(), *callbacks],
+            worker_runtime_env={"env_vars": worker_env_vars(config)},
         ),
     )
     with _run_status(tracking_uri, run_id):

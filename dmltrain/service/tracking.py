@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -235,9 +236,15 @@ def finish_run(tracking_uri: str, run_id: str, success: bool) -> None:
 
 
 class RunLogger:
-    """Rank 0's handle on the MLflow run: metrics, figures, checkpoints and the final model."""
+    """Rank 0's handle on the MLflow run: metrics, figures, checkpoints and the final model.
 
-    def __init__(self, tracking_uri: str, run_id: str) -> None:
+    With ``asynchronous=True`` metrics are written by one background thread, so a training step never
+    waits for the tracking store (a sqlite write or an HTTP round trip: ~50 ms per call measured here).
+    Every other call first waits for the queued metrics, so writes reach the store one at a time and in
+    order; a failed write is raised by the next call (or by ``flush``/``close``), never dropped.
+    """
+
+    def __init__(self, tracking_uri: str, run_id: str, asynchronous: bool = False) -> None:
         self.client = MlflowClient(tracking_uri)
         self.tracking_uri = tracking_uri
         self.run_id = run_id
@@ -247,6 +254,8 @@ class RunLogger:
         self._logged_through = {
             key: max(m.step for m in self.client.get_metric_history(run_id, key)) for key in run.data.metrics
         }
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlflow-log") if asynchronous else None
+        self._pending: list[Future[None]] = []
         step = run.data.tags.get(CHECKPOINT_STEP_TAG, "")
         # The newest checkpoint known to be complete in Ray's storage (record_checkpoint).
         self.checkpoint_step: int | None = int(step) if step.isdigit() else None
@@ -270,21 +279,57 @@ class RunLogger:
             if step > self._logged_through.get(name, -1):
                 fresh.append(Metric(name, float(value), now, step))
                 self._logged_through[name] = step
-        for start in range(0, len(fresh), _BATCH):
-            self.client.log_batch(self.run_id, metrics=fresh[start : start + _BATCH])
+        if not fresh:
+            return
+        if self._executor is None:
+            self._write_metrics(fresh)
+            return
+        self._raise_failed()
+        self._pending.append(self._executor.submit(self._write_metrics, fresh))
+
+    def _write_metrics(self, metrics: list[Metric]) -> None:
+        for start in range(0, len(metrics), _BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[start : start + _BATCH])
+
+    def _raise_failed(self) -> None:
+        """Re-raise the error of a finished background write, if any, and forget the finished ones."""
+        done = [f for f in self._pending if f.done()]
+        self._pending = [f for f in self._pending if not f.done()]
+        for future in done:
+            future.result()
+
+    def flush(self) -> None:
+        """Wait until every queued metric is stored; raises the first write error."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        """Flush and stop the background writer (the logger still works synchronously afterwards)."""
+        try:
+            self.flush()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
 
     def history(self, key: str) -> dict[int, float]:
         """``step -> value`` of a metric as stored, across every attempt of a resumed run."""
+        self.flush()
         return {m.step: m.value for m in self.client.get_metric_history(self.run_id, metric_name(key))}
 
     def log_figure(self, figure: Figure, artifact_file: str) -> None:
+        self.flush()
         self.client.log_figure(self.run_id, figure, artifact_file)
 
     def log_directory(self, local_dir: str | os.PathLike[str], artifact_path: str) -> None:
+        self.flush()
         self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
 
     def log_file(self, local_file: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        self.flush()
         self.client.log_artifact(self.run_id, str(local_file), artifact_path)
 
     def set_tag(self, key: str, value: str) -> None:
+        self.flush()
         self.client.set_tag(self.run_id, key, value)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -40,6 +42,7 @@ from dmltrain.service.builders import (
     build_scheduler,
     build_tn_schedule,
     build_train_transform,
+    load_optimizer_state,
     resolve_preprocessing,
 )
 from dmltrain.service.checkpoints import (
@@ -75,7 +78,9 @@ class _StepStats:
     images: int
     seconds: float
     data_seconds: float
+    engine_seconds: float  # global_batch_step: forward, loss, backward, collectives (comm_seconds within)
     comm_seconds: float
+    update_seconds: float  # gradient norm, optimizer and schedule steps
     valid: int
     queries: int
 
@@ -137,6 +142,45 @@ class _Counters:
         self.overflow_steps = int(state.get("overflow_steps", 0))
 
 
+class _PhaseTimes:
+    """Where this launch's wall time went on this rank, by phase (cumulative seconds).
+
+    Logged by rank 0 as ``time/<phase>_seconds`` with every training log line, so the split between
+    stepping, data, collectives, logging, checkpoints and evaluation can be read back from MLflow
+    (bench/service.py does). ``comm`` is part of ``engine``; ``step`` holds data, engine and update plus
+    the step's own bookkeeping; ``loop`` is the wall time since the loop started.
+    """
+
+    PHASES = ("step", "data", "engine", "comm", "update", "log", "checkpoint", "eval")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.start = time.perf_counter()
+
+    def add_step(self, stats: _StepStats) -> None:
+        for phase, value in (
+            ("step", stats.seconds),
+            ("data", stats.data_seconds),
+            ("engine", stats.engine_seconds),
+            ("comm", stats.comm_seconds),
+            ("update", stats.update_seconds),
+        ):
+            self.seconds[phase] += value
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/{k}_seconds": v for k, v in self.seconds.items()}
+        out["time/loop_seconds"] = time.perf_counter() - self.start
+        return out
+
+
 def _unwrap(model: nn.Module) -> EmbeddingNet:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model  # type: ignore[return-value]
 
@@ -168,8 +212,8 @@ class WorkerLoop:
         self.rank = ray_ctx.rank
         self.world = ray_ctx.world_size
         self.device = ray_ctx.device
-        if config.scaling.torch_threads:
-            torch.set_num_threads(config.scaling.torch_threads)
+        # Explicit, because Ray exports OMP_NUM_THREADS=<CPUs of the worker> only when it is unset.
+        torch.set_num_threads(config.scaling.torch_threads or max(1, int(config.scaling.cpus_per_worker)))
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
         # The backbone's own resolution, resize rule, interpolation and mean/std (config overrides applied):
         # the same value drives the train/test transforms, the normalisation and the saved model.
@@ -226,7 +270,9 @@ class WorkerLoop:
             else None
         )
         self.step = 0
-        self.logger = RunLogger(tracking_uri, run_id) if self.rank == 0 else None
+        self.times = _PhaseTimes()
+        # Metrics go to MLflow from a background thread: a step never waits for the tracking store.
+        self.logger = RunLogger(tracking_uri, run_id, asynchronous=True) if self.rank == 0 else None
         if self.logger is not None:  # what data.decode resolved to (auto picks per worker)
             device = self.stream.decode_device
             self.logger.set_tag("dmltrain.data_decode", f"gpu ({device})" if device else "cpu")
@@ -266,7 +312,7 @@ class WorkerLoop:
             state = load_state(directory)
             stream_state = load_stream_state(directory, self.rank)
         self.net.load_state_dict(state.model)
-        self.optimizer.load_state_dict(state.optimizer)
+        load_optimizer_state(self.optimizer, state.optimizer)
         self.scheduler.load_state_dict(state.scheduler)
         self.step = state.step
         self.counters.load_state_dict(state.counters)
@@ -396,6 +442,7 @@ class WorkerLoop:
             channels_last=self.channels_last,
             grad_scaler=self.scaler,
         )
+        t_update = time.perf_counter()
         loss = float(result.loss)
         if self.scaler is not None and math.isfinite(loss):
             self.scaler.unscale_(self.optimizer)  # true gradients for the norm, clipping and the update
@@ -441,13 +488,16 @@ class WorkerLoop:
         if self.tn_schedule is not None:
             self.tn_schedule.step()
         self.step += 1
+        end = time.perf_counter()
         return _StepStats(
             loss=loss,
             grad_norm=norm,
             images=cfg.train.global_batch_size,
-            seconds=time.perf_counter() - t0,
+            seconds=end - t0,
             data_seconds=data_seconds,
+            engine_seconds=result.comm_seconds + result.compute_seconds,
             comm_seconds=result.comm_seconds,
+            update_seconds=end - t_update,
             valid=result.num_valid,
             queries=result.num_queries,
         )
@@ -455,6 +505,16 @@ class WorkerLoop:
     def run(self) -> None:
         try:
             self._run()
+        except BaseException:
+            if self.logger is not None:  # store what was queued, but the loop's error is the one raised
+                try:
+                    self.logger.close()
+                except Exception as exc:
+                    log.warning("could not store the last queued metrics: %s", exc)
+            raise
+        else:
+            if self.logger is not None:
+                self.logger.close()  # the queued metrics are stored before the worker reports completion
         finally:
             if self.batches is not None:
                 self.batches.close()
@@ -469,6 +529,9 @@ class WorkerLoop:
             "dmltrain.precision": self.precision.name,
             "dmltrain.channels_last": str(self.channels_last).lower(),
             "dmltrain.compile": compile_state(self.net),
+            # what the workers actually run with (Ray and the environment can differ)
+            "dmltrain.torch_threads": str(torch.get_num_threads()),
+            "dmltrain.omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
         }
         for key, value in tags.items():
             self.logger.set_tag(key, value)
@@ -477,18 +540,22 @@ class WorkerLoop:
         cfg = self.config.train
         described = False
         if self.step == 0 and cfg.eval_at_start:
-            self._log(self._evaluate())
+            with self.times.phase("eval"):
+                evaluated = self._evaluate()
+            self._log(evaluated)
         reset_peak_rss()  # train/peak_rss_mb: the training steps' peak, not the evaluation's
         window = _Window()
         while self.step < cfg.steps:
             stats = self._train_step()
+            self.times.add_step(stats)
             if not described:
                 self._describe_device()
                 described = True
             if math.isfinite(stats.loss):
                 window.add(stats)
             last = self.step == cfg.steps
-            if last or self.step % cfg.log_every == 0:
+            log_now = last or self.step % cfg.log_every == 0
+            if log_now:
                 metrics = window.metrics() if window.steps else {}
                 metrics.update(
                     {
@@ -517,14 +584,19 @@ class WorkerLoop:
                     )
                 window = _Window()
             evaluate_now = last or self.step % cfg.eval_every == 0
-            evaluated = self._evaluate() if evaluate_now else {}  # metrics on rank 0 only
+            evaluated: dict[str, float] = {}
             if evaluate_now:
+                with self.times.phase("eval"):
+                    evaluated = self._evaluate()  # metrics on rank 0 only
                 reset_peak_rss()
             self._log(evaluated)
             stop = evaluate_now and self.best is not None and self._judge(evaluated)
             # Decided from the step alone, so every rank reaches Ray's report barrier at the same step.
             if evaluate_now or self.step % cfg.checkpoint_every == 0:
-                self._checkpoint(evaluated)
+                with self.times.phase("checkpoint"):
+                    self._checkpoint(evaluated)
+            if log_now or stop:  # after this step's evaluation and checkpoint, so the last one has all
+                self._log(self.times.metrics())
             if stop:
                 break
         if self.logger is not None:
@@ -532,7 +604,8 @@ class WorkerLoop:
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self.logger is not None and metrics:
-            self.logger.log_metrics(metrics, self.step)
+            with self.times.phase("log"):
+                self.logger.log_metrics(metrics, self.step)
 
     def _finish(self) -> None:
         """Rank 0: training curves from the full MLflow history (it survives restarts). The driver logs the

@@ -1,0 +1,608 @@
+"""Benchmark: the training service against a bare PyTorch loop on the same cores and the same decoded data.
+
+    python bench/service.py            # the quickstart's scale: 300-step service runs, 5 rounds of steps
+    python bench/service.py --quick    # 3 rounds, 30-step service runs with a small evaluation (smoke)
+
+The model, loss, optimizer, image size and global batch come from the config (default
+configs/quickstart.yaml: resnet18 from scratch, 32 px glyphs, Smooth-AP, Adam, global batch 128).
+
+Part 1, steps side by side. Two groups of long-lived processes share the cores: "1x2" (one process, 2 torch
+threads) and "2x1" (two gloo processes, 1 thread each, as Ray runs the quickstart). Every variant below is
+built once in its group and fed the same decoded batches (real glyph shards through the real TrainLoader,
+decoded once up front); the groups take turns, variant by variant, in rounds (the order rotates every
+round), so load changes hit all variants alike. A block is S steps between two barriers; a variant's figure
+is the median over rounds of its seconds per step. Every process gets the OpenMP wait policy that Ray gives
+the service's workers (scaling.omp_wait_policy).
+  bare loop           model(normalize(x)) -> loss -> backward -> Adam(fused=True) on the global batch, with
+                      2 threads and with 1: the faster is the baseline (on a loaded machine a 2-thread
+                      step waits for its slower thread); also with torch's default Adam, for reference
+  bare, no sync       each of 2 processes the same on its half batch, no communication: the layout alone
+  bare DDP            the same under DistributedDataParallel (local loss, gradient all-reduce over gloo)
+  service step        the real WorkerLoop._train_step (engine: exact global-batch loss and gradient, DDP as
+                      Ray wraps it, update, schedule) on replayed batches; "+ data" with its live TrainLoader
+Part 2, the real service: `python -m dmltrain.run CONFIG` with the same settings (Ray workers, MLflow in a
+sqlite store under the work dir, evaluation and checkpoints on the config's cadence), per layout. Read
+back from MLflow: train/images_per_second (steady state: every log window after the first), the loop's
+time/<phase>_seconds (step, data, engine, comm, update, log, checkpoint, eval, loop); the driver's wall time.
+The bare loop is timed again right before and right after every service run (the ratio uses their mean).
+
+The breakdown then explains the service's time per step against the bare loop: process layout and gradient
+all-reduce from Part 1, engine collectives, data and the remaining per-step overhead from the service's own
+timers, and the time outside steps (evaluation, checkpoints, MLflow calls). Goal (issue 11 section 4): the
+service's steady-state images/s >= 0.85x the bare loop's at the quickstart's scale.
+On a shared machine absolute figures move with the load: read the ratios, and the load averages printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK = {"rounds": 3, "steps": 3, "service_steps": 30, "batches": 4}
+FULL = {"rounds": 5, "steps": 5, "service_steps": None, "batches": 8}  # None: the config's train.steps
+
+LAYOUTS = {  # Ray workers x torch threads on the 2 cores, and the overrides that select it
+    "2x1": {"workers": 2, "threads": 1},
+    "1x2": {"workers": 1, "threads": 2},
+}
+GROUP_VARIANTS = {
+    "1x2": ["bare", "bare_1thread", "bare_default_adam", "service", "service_data"],
+    "2x1": ["bare_nosync", "bare_ddp", "service", "service_data"],
+}
+LABELS = {
+    "bare": "bare loop, Adam(fused=True)",
+    "bare_1thread": "bare loop, Adam(fused=True), 1 thread",
+    "bare_default_adam": "bare loop, torch's default Adam",
+    "bare_nosync": "bare loop per half batch, no sync",
+    "bare_ddp": "bare DDP loop (local loss)",
+    "service": "service step, replayed batches",
+    "service_data": "service step + live data",
+}
+VARIANT_THREADS = {"bare_1thread": 1}  # torch threads for a block of this variant (else the group's)
+BASELINES = ("bare", "bare_1thread")  # the baseline is the faster single-process bare loop
+
+
+def layout_overrides(layout: str, global_batch: int) -> list[str]:
+    """Config overrides for a layout; one chunk per worker, so no chunk is embedded twice."""
+    workers, threads = LAYOUTS[layout]["workers"], LAYOUTS[layout]["threads"]
+    return [
+        f"scaling.num_workers={workers}",
+        f"scaling.torch_threads={threads}",
+        f"scaling.cpus_per_worker={threads}",
+        f"train.chunk_size={global_batch // workers}",
+    ]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Part 1: variants inside the process groups
+
+
+@dataclass
+class _Context:
+    """Stands in for Ray Train's worker context: DDP around the model when there are 2 ranks, as
+    ray.train.torch.prepare_model does on CPU."""
+
+    rank: int
+    world_size: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.world_size > 1:
+            return torch.nn.parallel.DistributedDataParallel(model)
+        return model
+
+    def get_checkpoint(self) -> None:
+        return None
+
+    def report(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the benchmark never checkpoints in part 1")
+
+
+class _Replay:
+    """A TrainLoader stand-in that hands out the pre-decoded batches in turn."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.batches, self.i = batches, 0
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        images, labels = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        return images, labels, torch.zeros_like(labels)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+def _bare_optimizer(name: str, params: Any, lr: float, fused: bool) -> torch.optim.Optimizer:
+    kind = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name]
+    extra = {"momentum": 0.9} if name == "sgd" else {}
+    return kind(params, lr=lr, fused=fused or None, **extra)
+
+
+def _bare_step(config: Any, batches: list, ddp: bool, fused: bool) -> Callable[[int], dict[str, float]]:
+    """What a user writes without dmltrain: forward, loss, backward, optimizer step."""
+    from dmltrain.models import freeze_batchnorm
+    from dmltrain.service.builders import build_loss, build_network, resolve_preprocessing
+
+    torch.manual_seed(config.train.seed)
+    preprocessing = resolve_preprocessing(config)  # as the worker loop builds it
+    net = build_network(config, preprocessing)
+    normalize = preprocessing.normalizer()
+    net.train()
+    if config.model.freeze_bn:
+        freeze_batchnorm(net)
+    model = torch.nn.parallel.DistributedDataParallel(net) if ddp else net
+    optimizer = _bare_optimizer(config.optim.name, net.parameters(), config.optim.lr, fused)
+    loss_fn = build_loss(config.loss)
+
+    def step(i: int) -> dict[str, float]:
+        images, labels = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(normalize(images)), labels).backward()
+        t1 = time.perf_counter()
+        optimizer.step()
+        return {"engine": t1 - t0, "update": time.perf_counter() - t1}
+
+    return step
+
+
+def _service_step(
+    config: Any, batches: list, live: bool, rank: int, world: int, run_id: str, uri: str
+) -> Callable[[int], dict[str, float]]:
+    """The real worker loop's step; the stream is replayed (or the loop's own live TrainLoader)."""
+    from dmltrain.service.train import WorkerLoop
+
+    loop = WorkerLoop(config, run_id, uri, _Context(rank, world))
+    if loop.logger is not None:  # part 1 times steps; MLflow is timed in part 2
+        getattr(loop.logger, "close", lambda: None)()
+        loop.logger = None
+    if not live:
+        loop.stream = _Replay(batches)
+
+    def step(i: int) -> dict[str, float]:
+        s = loop._train_step()
+        return {
+            "data": s.data_seconds,
+            "engine": getattr(s, "engine_seconds", float("nan")),
+            "comm": s.comm_seconds,
+            "update": getattr(s, "update_seconds", float("nan")),
+        }
+
+    return step
+
+
+def _group_worker(rank: int, world: int, port: int, conn: Connection, spec: dict[str, Any]) -> None:
+    """One process of a group: build every variant, then time blocks on command until told to stop."""
+    import torch.distributed as dist
+
+    from dmltrain.service.config import load_config
+
+    threads = spec["threads"]
+    torch.set_num_threads(threads)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        config = load_config(spec["config"], spec["overrides"])
+        local = [(x.chunk(world)[rank].clone(), y.chunk(world)[rank].clone()) for x, y in spec["batches"]]
+        builders = {
+            "bare": lambda: _bare_step(config, local, ddp=False, fused=True),
+            "bare_1thread": lambda: _bare_step(config, local, ddp=False, fused=True),
+            "bare_default_adam": lambda: _bare_step(config, local, ddp=False, fused=False),
+            "bare_nosync": lambda: _bare_step(config, local, ddp=False, fused=True),
+            "bare_ddp": lambda: _bare_step(config, local, ddp=True, fused=True),
+            "service": lambda: _service_step(config, local, False, rank, world, spec["run_id"], spec["uri"]),
+            "service_data": lambda: _service_step(
+                config, local, True, rank, world, spec["run_id"], spec["uri"]
+            ),
+        }
+        steps = {name: builders[name]() for name in spec["variants"]}
+        torch.set_num_threads(threads)  # the worker loop sets it from the config too; same value
+        conn.send(("ready", torch.get_num_threads()))
+        counter = itertools.count()
+        while True:
+            command = conn.recv()
+            if command[0] == "stop":
+                break
+            _, name, n = command
+            torch.set_num_threads(VARIANT_THREADS.get(name, threads))
+            if world > 1:
+                dist.barrier()
+            t0 = time.perf_counter()
+            parts: dict[str, float] = defaultdict(float)
+            for _ in range(n):
+                for key, value in steps[name](next(counter)).items():
+                    parts[key] += value
+            if world > 1:
+                dist.barrier()
+            seconds = (time.perf_counter() - t0) / n
+            conn.send(("ok", {"seconds": seconds, **{k: v / n for k, v in parts.items()}}))
+    except BaseException as exc:
+        import traceback
+
+        conn.send(("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _Group:
+    """A layout's processes (1 x 2 threads, or 2 gloo processes x 1 thread) with their variants."""
+
+    def __init__(self, layout: str, spec: dict[str, Any]) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.world = LAYOUTS[layout]["workers"]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.conns, self.procs = [], []
+        for rank in range(self.world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_group_worker, args=(rank, self.world, port, child, spec), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.threads = [self._receive(c) for c in self.conns]
+
+    @staticmethod
+    def _receive(conn: Connection) -> Any:
+        kind, payload = conn.recv()
+        if kind == "error":
+            raise RuntimeError(payload)
+        return payload
+
+    def run(self, variant: str, steps: int) -> dict[str, float]:
+        """Seconds per step of the slowest rank; the step's parts as rank 0 timed them."""
+        for conn in self.conns:
+            conn.send(("run", variant, steps))
+        results = [self._receive(c) for c in self.conns]
+        return {**results[0], "seconds": max(r["seconds"] for r in results)}
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(("stop",))
+        for proc in self.procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Part 2: the real service
+
+
+def run_service(
+    config_path: Path, overrides: list[str], workdir: Path, name: str, uri: str
+) -> dict[str, Any]:
+    """`python -m dmltrain.run` in a fresh process; its figures as MLflow recorded them."""
+    from mlflow.tracking import MlflowClient
+
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # loopback only, single node
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "TQDM_DISABLE": "1",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "dmltrain.run",
+        str(config_path),
+        *overrides,
+        f"run.name={name}",
+        f"run.storage_path={workdir / 'ray_results'}",
+        f"mlflow.tracking_uri={uri}",
+        "run.resume=never",
+        "scaling.topology=single-node",
+    ]
+    t0 = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=workdir, check=False)
+    wall = time.perf_counter() - t0
+    (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    found = re.search(r"MLflow run (\w+)", proc.stdout)
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"service run {name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    client = MlflowClient(uri)
+    run_id = found.group(1)
+    metrics = client.get_run(run_id).data.metrics
+    windows = sorted(client.get_metric_history(run_id, "train/images_per_second"), key=lambda m: m.step)
+    steady = [m.value for m in windows[1:]] or [m.value for m in windows]
+    shares = {
+        key: statistics.mean(m.value for m in client.get_metric_history(run_id, key)[1:] or [metrics[key]])
+        for key in ("train/data_wait_share", "train/comm_share")
+        if key in metrics
+    }
+    times = {
+        k.removeprefix("time/").removesuffix("_seconds"): v for k, v in metrics.items() if k[:5] == "time/"
+    }
+    return {
+        "wall": wall,
+        # every window holds log_every steps of the same batch: the overall rate is the harmonic mean
+        "steady_ips": len(steady) / sum(1.0 / v for v in steady),
+        "shares": shares,
+        "times": times,
+        "recall": metrics.get("eval/test/recall_at_1", float("nan")),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# driver
+
+
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"{one:.1f} (1 min) / {five:.1f} (5 min)"
+
+
+def decode_batches(config: Any, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Global batches in the 2-worker layout: rank 0's local batch then rank 1's, from the real loader."""
+    from dmltrain.data import SamplerSpec, TrainLoader
+    from dmltrain.service.builders import resolve_preprocessing
+
+    world = 2
+    local = config.train.global_batch_size // world
+    loaders = [
+        TrainLoader(
+            config.data.root,
+            local,
+            SamplerSpec.from_config(config.sampler),
+            split=config.data.train_split,
+            rank=rank,
+            world_size=world,
+            num_workers=0,
+            image_size=config.data.image_size,
+            transform=resolve_preprocessing(config).train_transform(config.data.crop_scale),
+        )
+        for rank in range(world)
+    ]
+    batches = []
+    for _ in range(count):
+        parts = [loader.next_batch() for loader in loaders]
+        batches.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
+    return batches
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, short service runs (smoke)")
+    parser.add_argument("--config", default=str(REPO / "configs" / "quickstart.yaml"))
+    parser.add_argument("--data", help="prepared glyph shards (default: built under the work dir)")
+    parser.add_argument("--workdir", help="where data, MLflow store and Ray results go (default: a temp dir)")
+    parser.add_argument(
+        "--service-layouts", default="2x1,1x2", help="layouts for part 2, comma-separated ('' = skip)"
+    )
+    parser.add_argument("--skip-steps", action="store_true", help="skip part 1 (except the bare loop)")
+    parser.add_argument(
+        "overrides", nargs="*", help="config overrides for every run, e.g. data.loader_workers=1"
+    )
+    args = parser.parse_args()
+    plan = QUICK if args.quick else FULL
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+    from dmltrain.data import ensure_glyphs
+    from dmltrain.service.config import flatten, load_config, to_yaml
+    from dmltrain.service.run import worker_env_vars
+    from dmltrain.service.tracking import start_or_resume_run
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dmltrain-bench-service-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    data = Path(args.data).resolve() if args.data else Path(ensure_glyphs(workdir / "glyphs"))
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    base = [f"data.root={data}", "data.prepare=null", *args.overrides]
+    config = load_config(args.config, base)
+    batch = config.train.global_batch_size
+    service_steps = plan["service_steps"] or config.train.steps
+    started = time.strftime("%Y-%m-%d %H:%M")
+    print(
+        f"dmltrain service benchmark ({'quick' if args.quick else 'full'}), {started}, load average "
+        f"{_load()} at start; torch {torch.__version__}, {os.cpu_count()} cores"
+    )
+    print(
+        f"config {Path(args.config).name} {' '.join(args.overrides)}: {config.model.backbone} @ "
+        f"{config.data.image_size} px, {config.loss.name}, {config.optim.name}, global batch {batch}, "
+        f"loader_workers {config.data.loader_workers}, freeze_bn {config.model.freeze_bn}; work dir {workdir}"
+    )
+    print(f"OpenMP wait policy (bare loops and service alike): {worker_env_vars(config) or 'inherited'}")
+    quickstart_layout = f"{config.scaling.num_workers}x{config.scaling.torch_threads or 1}"
+
+    # ---------------------------------------------------------------- part 1
+    batches = decode_batches(config, plan["batches"])
+    groups: dict[str, _Group] = {}
+    results: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
+    group_variants = {"1x2": list(BASELINES)} if args.skip_steps else GROUP_VARIANTS
+    # The bare loops and the service steps run under the OpenMP settings Ray gives the service's workers.
+    os.environ.update(worker_env_vars(config))
+    jobs = [(layout, v) for layout, variants in group_variants.items() for v in variants]
+    try:
+        for layout, variants in group_variants.items():
+            overrides = [*base, *layout_overrides(layout, batch)]
+            layout_config = load_config(args.config, overrides)
+            run_id, _ = start_or_resume_run(
+                uri,
+                "bench-steps",
+                f"{workdir}/steps-{layout}",
+                layout,
+                flatten(layout_config),
+                to_yaml(layout_config),
+            )
+            spec = {
+                "config": args.config,
+                "overrides": overrides,
+                "batches": batches,
+                "variants": variants,
+                "threads": LAYOUTS[layout]["threads"],
+                "run_id": run_id,
+                "uri": uri,
+            }
+            groups[layout] = _Group(layout, spec)
+        for job in jobs:  # warm-up block: first-touch allocations, lazy inits
+            groups[job[0]].run(job[1], 1)
+        for r in range(plan["rounds"]):
+            for layout, variant in jobs[r % len(jobs) :] + jobs[: r % len(jobs)]:
+                results[(layout, variant)].append(groups[layout].run(variant, plan["steps"]))
+
+        def bare_block() -> float:
+            return min(groups["1x2"].run(v, plan["steps"])["seconds"] for v in BASELINES)
+
+        # ------------------------------------------------------------ part 2
+        service: dict[str, dict[str, Any]] = {}
+        brackets: dict[str, tuple[float, float]] = {}
+        layouts = [s for s in args.service_layouts.split(",") if s]
+        for layout in layouts:
+            overrides = [*base, *layout_overrides(layout, batch), f"train.steps={service_steps}"]
+            if args.quick:
+                overrides += [
+                    f"train.eval_every={service_steps}",
+                    "eval.max_images=2000",
+                    "eval.grid_queries=2",
+                ]
+            before = min(bare_block(), bare_block())
+            service[layout] = run_service(
+                Path(args.config), overrides, workdir, f"service-{layout}-{int(time.time())}", uri
+            )
+            after = min(bare_block(), bare_block())
+            brackets[layout] = (before, after)
+    finally:
+        for g in groups.values():
+            g.close()
+
+    # ---------------------------------------------------------------- report
+    def med(layout: str, variant: str, key: str = "seconds") -> float:
+        return _median([r.get(key, float("nan")) for r in results.get((layout, variant), [])])
+
+    baseline = min(BASELINES, key=lambda v: med("1x2", v))
+    bare_s = med("1x2", baseline)
+    LABELS[baseline] += "  [baseline]"
+    print(
+        f"\nPart 1: seconds per step (median of {plan['rounds']} interleaved rounds of {plan['steps']} "
+        f"steps; same {len(batches)} decoded batches)"
+    )
+    print(
+        f"{'layout':<7}{'variant':<42}{'s/step':>8}{'img/s':>8}{'vs bare':>9}{'data':>7}{'engine':>8}"
+        f"{'comm':>7}{'update':>8}"
+    )
+    for layout, variant in jobs:
+        s = med(layout, variant)
+        cells = "".join(
+            f"{med(layout, variant, k):>{w}.3f}"
+            if results[(layout, variant)][0].get(k) is not None
+            else f"{'':>{w}}"
+            for k, w in (("data", 7), ("engine", 8), ("comm", 7), ("update", 8))
+        )
+        print(f"{layout:<7}{LABELS[variant]:<42}{s:>8.3f}{batch / s:>8.0f}{bare_s / s:>8.2f}x{cells}")
+    print(
+        "engine = forward + loss + backward (+ the engine's collectives: comm); "
+        "update = norm + optimizer step"
+    )
+
+    if service:
+        print(f"\nPart 2: the service, {service_steps} steps (python -m dmltrain.run; figures from MLflow)")
+        print(
+            f"{'layout':<7}{'wall s':>8}{'loop s':>8}{'steady img/s':>13}{'vs bare':>9}"
+            f"{'incl. eval+ckpt':>16}{'vs bare':>9}{'data':>7}{'comm':>7}{'eval s':>8}{'ckpt s':>8}"
+            f"{'log s':>7}{'R@1':>7}"
+        )
+        for layout, r in service.items():
+            bare_ips = 2 * batch / sum(brackets[layout])
+            t = r["times"]
+            loop_s = t.get("loop", float("nan"))
+            incl = service_steps * batch / loop_s if loop_s == loop_s else float("nan")
+            mark = " (config)" if layout == quickstart_layout else ""
+            print(
+                f"{layout + mark:<7}{r['wall']:>8.0f}{loop_s:>8.0f}{r['steady_ips']:>13.0f}"
+                f"{r['steady_ips'] / bare_ips:>8.2f}x{incl:>16.0f}{incl / bare_ips:>8.2f}x"
+                f"{r['shares'].get('train/data_wait_share', float('nan')):>7.1%}"
+                f"{r['shares'].get('train/comm_share', float('nan')):>7.1%}"
+                f"{t.get('eval', float('nan')):>8.1f}{t.get('checkpoint', float('nan')):>8.1f}"
+                f"{t.get('log', float('nan')):>7.1f}{r['recall']:>7.3f}"
+            )
+        for layout, (before, after) in brackets.items():
+            print(
+                f"  bare loop around the {layout} run: {batch / before:.0f} img/s before, "
+                f"{batch / after:.0f} after"
+            )
+        print(f"\nBreakdown: the service's time per step against the bare loop's {bare_s:.3f} s")
+        for layout, r in service.items():
+            _breakdown(layout, r, service_steps, batch, sum(brackets[layout]) / 2, med)
+
+    print(f"\nload average at the end: {_load()}")
+    if service:
+        best = max(service, key=lambda k: service[k]["steady_ips"] * sum(brackets[k]) / (2 * batch))
+        ratio = service[best]["steady_ips"] * sum(brackets[best]) / (2 * batch)
+        mine = service.get(quickstart_layout)
+        mine_ratio = mine["steady_ips"] * sum(brackets[quickstart_layout]) / (2 * batch) if mine else None
+        verdict = "met" if ratio >= 0.85 else "NOT met"
+        print(
+            f"goal (>= 0.85x the bare loop, steady state): {verdict} - best layout {best}: {ratio:.2f}x"
+            + (
+                f"; the config's layout {quickstart_layout}: {mine_ratio:.2f}x"
+                if mine_ratio is not None
+                else ""
+            )
+        )
+    print(json.dumps({"part1": {f"{k[0]}/{k[1]}": med(*k) for k in jobs}}, sort_keys=True))
+
+
+def _breakdown(
+    layout: str, r: dict[str, Any], steps: int, batch: int, bare: float, med: Callable[..., float]
+) -> None:
+    """Seconds per step the service adds to the bare loop, by cause (part 1 supplies what timers cannot)."""
+    t = r["times"]
+    if "step" not in t:
+        print(f"  {layout}: this version of the service logs no time/* metrics; no breakdown")
+        return
+    per = {k: v / steps for k, v in t.items()}
+    service_step = batch / r["steady_ips"]
+    rows: list[tuple[str, float]] = []
+    if layout == "2x1":
+        nosync, ddp = med("2x1", "bare_nosync"), med("2x1", "bare_ddp")
+        rows += [("process layout (2 x 1 thread vs 1 x 2), part 1", nosync - bare)]
+        rows += [("gradient all-reduce (DDP over gloo), part 1", ddp - nosync)]
+    rows += [("engine collectives (sizes, all-gather, stats, dL/dE)", per["comm"])]
+    rows += [("data (sampling + decode + augment)", per["data"])]
+    explained = sum(v for _, v in rows)
+    rows += [("other per-step overhead (rest of the step)", service_step - bare - explained)]
+    rows += [
+        ("evaluation (outside steps)", per.get("eval", 0.0)),
+        ("checkpoints (outside steps)", per.get("checkpoint", 0.0)),
+        ("MLflow calls (outside steps)", per.get("log", 0.0)),
+    ]
+    loop_per_step = per["loop"]
+    print(
+        f"  {layout}: service {service_step:.3f} s per step in steady state, "
+        f"{loop_per_step:.3f} with everything"
+    )
+    for label, value in rows:
+        print(f"    {label:<56}{value:>+8.3f} s{value / loop_per_step:>8.1%} of the loop")
+
+
+if __name__ == "__main__":
+    main()

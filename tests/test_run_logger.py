@@ -1,0 +1,46 @@
+"""RunLogger's background metric writer against a real MLflow sqlite store: order, replay rule, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from dmltrain.service.tracking import RunLogger
+
+
+def _run(tmp_path: Path) -> tuple[str, str]:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("logger")
+    return uri, client.create_run(experiment).info.run_id
+
+
+def test_queued_metrics_are_stored_in_order_and_replays_skipped(tmp_path: Path) -> None:
+    uri, run_id = _run(tmp_path)
+    logger = RunLogger(uri, run_id, asynchronous=True)
+    for step in range(1, 6):
+        logger.log_metrics({"train/loss": 1.0 / step, "eval/test/recall@1": step / 10}, step)
+    logger.log_metrics({"train/loss": 99.0}, 3)  # a replayed step after a restart: not logged again
+    assert logger.history("train/loss") == {s: 1.0 / s for s in range(1, 6)}  # history waits for the queue
+    logger.close()
+    stored = MlflowClient(uri).get_metric_history(run_id, "eval/test/recall_at_1")
+    assert [(m.step, m.value) for m in stored] == [(s, s / 10) for s in range(1, 6)]
+    # A fresh logger (a relaunch) starts from what is stored, so the replay rule survives restarts.
+    again = RunLogger(uri, run_id, asynchronous=True)
+    again.log_metrics({"train/loss": 7.0}, 5)
+    again.log_metrics({"train/loss": 6.0}, 6)
+    again.close()
+    assert [m.value for m in MlflowClient(uri).get_metric_history(run_id, "train/loss")][-2:] == [0.2, 6.0]
+
+
+def test_a_failed_background_write_is_raised_not_dropped(tmp_path: Path) -> None:
+    uri, run_id = _run(tmp_path)
+    logger = RunLogger(uri, run_id, asynchronous=True)
+    MlflowClient(uri).delete_run(run_id)  # the store now refuses writes to this run
+    logger.log_metrics({"train/loss": 1.0}, 1)  # queued: the step does not wait
+    with pytest.raises(MlflowException):
+        logger.flush()
+    logger.close()
