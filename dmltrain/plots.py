@@ -21,6 +21,7 @@ __all__ = [
     "CORRECT_RGB",
     "QUERY_RGB",
     "WRONG_RGB",
+    "comparison_curves",
     "recall_at_k_curve",
     "retrieval_grid",
     "retrieval_grid_image",
@@ -126,6 +127,47 @@ def training_curves(
     axes[-1].set_xlabel("step")
     if title:
         fig.suptitle(title)
+    fig.tight_layout()
+    if path is not None:
+        save_png(fig, path)
+    return fig
+
+
+# ------------------------------------------------------------------------------ comparing runs
+def comparison_curves(
+    curves: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    baselines: Mapping[str, float] | None = None,
+    log_x: bool = False,
+    path: PathLike | None = None,
+    title: str | None = None,
+    figsize: tuple[float, float] = (7.2, 4.4),
+    dpi: int = 100,
+) -> Figure:
+    """One line per run (``label -> (x, y)``, e.g. Recall@1 against the step or the images seen), with
+    dashed horizontal lines for reference values that do not change with x (an untrained network, raw
+    pixels): the sweep's comparison plots."""
+    if not curves and not baselines:
+        raise ValueError("nothing to plot: no curves and no baselines")
+    fig = _new_figure(figsize[0], figsize[1], dpi)
+    ax = fig.add_subplot(1, 1, 1)
+    for label, (x, y) in curves.items():
+        xs, ys = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        if xs.shape != ys.shape:
+            raise ValueError(f"curve {label!r}: {xs.shape[0]} x values for {ys.shape[0]} y values")
+        ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.3, label=label)
+    for i, (label, value) in enumerate((baselines or {}).items()):
+        ax.axhline(value, linestyle="--", linewidth=1.0, color=f"C{(len(curves) + i) % 10}", label=label)
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    if title:
+        ax.set_title(title)
     fig.tight_layout()
     if path is not None:
         save_png(fig, path)

@@ -99,3 +99,20 @@ def test_loaders_pass_the_resize_mode_through(wide_shards: Path) -> None:
     assert isinstance(train.transform, TrainAugment) and train.transform.warp == 12
     batch, _, _ = train.next_batch()
     assert batch.shape == (8, 3, 8, 8)
+
+
+def test_data_flip_false_never_mirrors_a_training_image(tmp_path: Path) -> None:
+    """data.flip: false (glyphs: a mirrored b is a d) reaches the service's training transform."""
+    from dmltrain.service.builders import build_train_transform
+    from dmltrain.service.config import load_config
+
+    repo = Path(__file__).parents[1]
+    image = torch.zeros((3, 32, 32), dtype=torch.uint8)
+    image[:, :, :8] = 255  # bright left edge: a mirror puts it on the right
+    full_crop = ["data.crop_scale=[1.0, 1.0]", "data.image_size=32"]
+    for flip, expect_mirrors in ((False, False), (True, True)):
+        config = load_config(repo / "configs" / "quickstart.yaml", [*full_crop, f"data.flip={flip}"])
+        transform = build_train_transform(config)
+        torch.manual_seed(0)
+        mirrored = [bool(transform(image)[:, :, -1].float().mean() > 128) for _ in range(40)]
+        assert any(mirrored) is expect_mirrors, (flip, mirrored)

@@ -191,6 +191,16 @@ def build_tn_schedule(cfg: LossConfig, loss: nn.Module) -> TnSchedule | None:
     return None
 
 
+def build_train_transform(
+    config: ExperimentConfig, preprocessing: PreprocessConfig | None = None
+) -> Transform:
+    """The run's training augmentation: the backbone's preprocessing with random resized crops (after the
+    papers' warp in ``warp`` mode) and, unless ``data.flip`` is off, a horizontal flip."""
+    return (preprocessing or resolve_preprocessing(config)).train_transform(
+        config.data.crop_scale, flip=config.data.flip
+    )
+
+
 def build_test_transform(
     config: ExperimentConfig, preprocessing: PreprocessConfig | None = None
 ) -> Transform:

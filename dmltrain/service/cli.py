@@ -104,6 +104,46 @@ def _run_train(args: argparse.Namespace) -> int:
     return run_main([args.config, *args.overrides])
 
 
+def _register_sweep(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run every trial of a sweep file (a base config x dotted overrides) as one Ray Tune experiment, "
+        "each through the same driver as `dmltrain train`, tracked as an MLflow parent run with a nested "
+        "child run per trial; relaunching the same sweep continues it (finished trials are not re-run)."
+    )
+    parser.add_argument("sweep", help="sweep YAML, e.g. configs/sweeps/losses.yaml")
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted overrides applied to every trial, e.g. train.steps=20"
+    )
+    parser.add_argument(
+        "--name", default=None, help="sweep name (default: the file's); a new name means new runs"
+    )
+    parser.add_argument("--summary", default=None, help="also write the summary table (markdown) here")
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    import logging
+
+    from dmltrain.service.config import ConfigError
+    from dmltrain.service.errors import FatalRunError
+    from dmltrain.service.sweeps import load_sweep, run_sweep
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        outcome = run_sweep(load_sweep(args.sweep, args.overrides, name=args.name))
+    except (ConfigError, FatalRunError) as error:
+        for line in str(error).splitlines():
+            print(line if line.startswith(" ") else f"error: {line}", file=sys.stderr)
+        return 2
+    print(outcome.summary)
+    if args.summary:
+        with open(args.summary, "w") as handle:
+            handle.write(outcome.summary)
+    print(f"sweep finished: MLflow parent run {outcome.parent_run_id} in {outcome.tracking_uri}")
+    for label, error in outcome.failed.items():
+        print(f"error: trial {label!r} failed: {error}", file=sys.stderr)
+    return 1 if outcome.failed else 0
+
+
 _MODEL_HELP = "a model.pt or MLflow model folder, runs:/<run_id>/model, or models:/<name>/<version>"
 
 
@@ -284,6 +324,7 @@ def _run_verify(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, tuple[str, Register, Run]] = {
     "prepare": ("convert a data set into shards + dataset.json", _register_prepare, _run_prepare),
     "train": ("train on Ray with a config (python -m dmltrain.run)", _register_train, _run_train),
+    "sweep": ("run a grid of trials through Ray Tune, one MLflow parent run", _register_sweep, _run_sweep),
     "evaluate": ("evaluate a trained model on a prepared data set", _register_evaluate, _run_evaluate),
     "index": ("build a faiss index of a prepared split with a trained model", _register_index, _run_index),
     "search": ("nearest indexed images of query images", _register_search, _run_search),

@@ -53,6 +53,11 @@ class DataConfig(_Section):
         default=None, description="Resize filter; None = the backbone's."
     )
     crop_scale: tuple[float, float] = Field(default=(0.16, 1.0), description="RandomResizedCrop scale range.")
+    flip: bool = Field(
+        default=True,
+        description="Random horizontal flips in training (the papers). Off for data whose mirror image is "
+        "another class: glyphs (b/d, acute/grave accents).",
+    )
     loader_workers: int = Field(default=2, ge=0, description="DataLoader processes per Ray worker.")
     decode: Literal["auto", "cpu", "gpu"] = Field(
         default="auto",

@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,7 +129,8 @@ def batchnorm_note(config: ExperimentConfig) -> str | None:
     )
 
 
-def _connect_ray() -> None:
+def connect_ray() -> None:
+    """Join the cluster in RAY_ADDRESS (or the one ``ray job submit`` runs in), else start a local one."""
     import ray
 
     for key, value in _RAY_ENV_DEFAULTS.items():
@@ -144,7 +145,7 @@ def _cluster_view(connect: bool) -> ClusterView:
     import ray
 
     if connect:
-        _connect_ray()
+        connect_ray()
     if not ray.is_initialized():
         return ClusterView((), attached=False)
     return ClusterView.from_ray_nodes(
@@ -236,12 +237,19 @@ def _finished_outcome(tracking_uri: str, run_id: str) -> RunOutcome:
     return RunOutcome(run_id, tracking_uri, True, None, {k: float(v) for k, v in metrics.items()})
 
 
-def launch(config: ExperimentConfig) -> RunOutcome:
+def launch(
+    config: ExperimentConfig,
+    *,
+    tags: Mapping[str, str] | None = None,
+    callbacks: Sequence[Any] = (),
+) -> RunOutcome:
     """Run (or resume) one experiment to completion on the Ray cluster; returns the outcome.
 
     Order matters: everything that can be checked without workers is checked before any worker starts
     (config and model, cluster storage rules, data plan, shared paths, resume policy), and the MLflow run
-    is only created or continued once the launch is known to be valid.
+    is only created or continued once the launch is known to be valid. ``tags`` go on a new MLflow run (a
+    sweep makes its trials nested child runs this way); ``callbacks`` are extra Ray Train callbacks (a
+    sweep's ``TuneReportCallback``).
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -277,7 +285,7 @@ def launch(config: ExperimentConfig) -> RunOutcome:
         assert existing is not None
         return _finished_outcome(tracking_uri, existing.run_id)
 
-    _connect_ray()
+    connect_ray()
     import ray
 
     use_gpu, warning = resolve_use_gpu(
@@ -299,6 +307,7 @@ def launch(config: ExperimentConfig) -> RunOutcome:
             config.run.name,
             flatten(config),
             Segment(1, 0, config.run.resume, {}, config_dump),
+            tags=tags,
         )
     else:
         run_id = existing.run_id
@@ -326,7 +335,7 @@ def launch(config: ExperimentConfig) -> RunOutcome:
                 checkpoint_score_order=config.train.best_mode,
             ),
             failure_config=FailureConfig(max_failures=config.run.max_failures),
-            callbacks=[StopOnFatalError()],
+            callbacks=[StopOnFatalError(), *callbacks],
             worker_runtime_env={"env_vars": worker_env_vars(config)},
         ),
     )

@@ -161,13 +161,14 @@ def create_run(
     run_name: str,
     params: Mapping[str, str],
     segment: Segment,
+    tags: Mapping[str, str] | None = None,
 ) -> str:
     """A new MLflow run for ``key``: the flattened config as params, the resolved YAML as ``config.yaml``
-    and the first segment record."""
+    and the first segment record; ``tags`` are added (``mlflow.parentRunId`` nests it under a sweep)."""
     client = MlflowClient(tracking_uri)
     experiment_id = _experiment_id(client, experiment, create=True)
     assert experiment_id is not None
-    run = client.create_run(experiment_id, run_name=run_name, tags={RUN_KEY_TAG: key})
+    run = client.create_run(experiment_id, run_name=run_name, tags={**(tags or {}), RUN_KEY_TAG: key})
     run_id = run.info.run_id
     items = [Param(k, v[:_MAX_PARAM_LENGTH]) for k, v in params.items()]
     for start in range(0, len(items), _BATCH):

@@ -41,6 +41,7 @@ from dmltrain.service.builders import (
     build_optimizer,
     build_scheduler,
     build_tn_schedule,
+    build_train_transform,
     load_optimizer_state,
     resolve_preprocessing,
 )
@@ -57,6 +58,7 @@ from dmltrain.service.checkpoints import (
 from dmltrain.service.config import ExperimentConfig
 from dmltrain.service.distributed_eval import evaluate
 from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
+from dmltrain.service.memory import peak_rss_mb, reset_peak_rss
 from dmltrain.service.prefetch import BatchPrefetcher
 from dmltrain.service.tracking import RunLogger
 
@@ -114,6 +116,7 @@ class _Window:
             "train/data_wait_share": self.data_seconds / seconds,
             "train/comm_share": self.comm_seconds / seconds,
             "train/valid_query_share": self.valid / max(self.queries, 1),
+            "train/step_seconds": self.seconds / max(self.steps, 1),
         }
 
 
@@ -239,7 +242,7 @@ class WorkerLoop:
             rank=self.rank,
             world_size=self.world,
             num_workers=config.data.loader_workers,
-            transform=self.preprocessing.train_transform(config.data.crop_scale),
+            transform=build_train_transform(config, self.preprocessing),
             info=self.info,
             decode=_decode_mode(config.data.decode, self.device),
             device=self.device,
@@ -540,6 +543,7 @@ class WorkerLoop:
             with self.times.phase("eval"):
                 evaluated = self._evaluate()
             self._log(evaluated)
+        reset_peak_rss()  # train/peak_rss_mb: the training steps' peak, not the evaluation's
         window = _Window()
         while self.step < cfg.steps:
             stats = self._train_step()
@@ -555,6 +559,7 @@ class WorkerLoop:
                 metrics = window.metrics() if window.steps else {}
                 metrics.update(
                     {
+                        "train/peak_rss_mb": peak_rss_mb(),  # of the steps since the last evaluation
                         "train/lr": self.optimizer.param_groups[0]["lr"],
                         "train/grad_norm": stats.grad_norm,
                         "train/skipped_steps": self.counters.skipped_steps,
@@ -583,6 +588,7 @@ class WorkerLoop:
             if evaluate_now:
                 with self.times.phase("eval"):
                     evaluated = self._evaluate()  # metrics on rank 0 only
+                reset_peak_rss()
             self._log(evaluated)
             stop = evaluate_now and self.best is not None and self._judge(evaluated)
             # Decided from the step alone, so every rank reaches Ray's report barrier at the same step.

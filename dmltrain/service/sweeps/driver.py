@@ -1,0 +1,284 @@
+"""``dmltrain sweep SWEEP.yaml``: a grid of experiments as one Ray Tune run with one MLflow parent run.
+
+The sweep driver does once what every trial's driver would otherwise repeat, and everything before Ray
+starts that can fail on a typo:
+
+1. every trial's config and model (one line naming the trial and the key);
+2. the cluster and its storage rules (as ``python -m dmltrain.run``), decided once for all trials;
+3. the data: built once per ``data.root`` if the config asks, each trial's batch plan checked;
+4. the MLflow parent run (found again by the sweep's name and storage path, so a relaunch continues it and
+   the finished trials, resumed by their own ``run.name``, are not trained again);
+5. the baselines (raw pixels), then the trials: ``ray.tune.Tuner`` runs
+   :func:`dmltrain.service.sweeps.trial.run_trial` once per trial, each a full service launch whose Ray Train
+   workers request their own resources; the trial itself holds no CPU (``trial_resources``), and at most as
+   many trials run at once as the cluster's CPUs (and GPUs) hold (one on a 2-core machine);
+6. the summary (table, JSON, comparison plots) on the parent run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from dmltrain.service.cluster import check_shared_paths, decide_topology, storage_problems
+from dmltrain.service.config import ConfigError, ExperimentConfig
+from dmltrain.service.preflight import check_config, check_data, load_data
+from dmltrain.service.run import check_cluster, connect_ray, resolve_paths
+from dmltrain.service.sweeps.spec import Sweep, Trial
+from dmltrain.service.sweeps.summary import TrialResult, collect, log_summary, order, summary_markdown
+from dmltrain.service.sweeps.trial import BASELINE_TAG, SWEEP_KEY_TAG, SWEEP_TAG, child_tags, run_trial
+from dmltrain.service.tracking import RunLogger, resolve_tracking_uri, set_run_status
+
+log = logging.getLogger("dmltrain.service.sweeps")
+
+PIXELS_LABEL = "raw pixels"
+
+
+@dataclass(frozen=True)
+class SweepOutcome:
+    parent_run_id: str
+    tracking_uri: str
+    results: list[TrialResult]  # baselines first, then trials in the sweep file's order
+    failed: dict[str, str]  # trial label -> error
+    summary: str  # the markdown table logged as summary.md
+
+
+def _check_trials(sweep: Sweep) -> tuple[list[Trial], str, str, Any]:
+    """Config, cluster and data checks of every trial; returns the trials with resolved paths, the tracking
+    URI, the topology setting to give every trial, and the cluster view."""
+    trials = list(sweep.trials)
+    if not trials:
+        raise ConfigError(f"sweep {sweep.spec.name}: no trials")
+    uris = {t.config.mlflow.tracking_uri for t in trials}
+    if len(uris) > 1:
+        raise ConfigError(
+            f"sweep {sweep.spec.name}: trials must share mlflow.tracking_uri, got {sorted(map(str, uris))}"
+        )
+    for trial in trials:
+        try:
+            check_config(trial.config)
+        except ConfigError as error:
+            raise ConfigError(f"sweep {sweep.spec.name}, trial {trial.label!r}: {error}") from None
+    tracking_uri = resolve_tracking_uri(trials[0].config.mlflow.tracking_uri)
+    is_default = not (trials[0].config.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+    view = check_cluster(trials[0].config, tracking_uri, is_default)
+    for trial in trials[1:]:
+        topology = decide_topology(trial.config.scaling.topology, view)
+        problems = storage_problems(trial.config, tracking_uri, is_default, topology)
+        if problems:
+            raise ConfigError("\n".join(f"trial {trial.label!r}: {p}" for p in problems))
+    topology = decide_topology(trials[0].config.scaling.topology, view)
+    setting = "multi-node" if topology.multi_node else "single-node"
+    resolved, infos = [], {}
+    for trial in trials:
+        config = resolve_paths(trial.config)
+        key = (config.data.root, config.data.prepare)
+        try:
+            if key not in infos:
+                infos[key] = load_data(config)  # builds the embedded set once, before any trial runs
+            check_data(config, infos[key])
+            if topology.multi_node:
+                problems = check_shared_paths(config, view)
+                if problems:
+                    raise ConfigError("\n".join(problems))
+        except ConfigError as error:
+            raise ConfigError(f"sweep {sweep.spec.name}, trial {trial.label!r}: {error}") from None
+        raw = config.model_dump(mode="json")
+        raw["mlflow"]["tracking_uri"] = tracking_uri  # the trials run in other working directories
+        raw["scaling"]["topology"] = setting
+        resolved.append(Trial(trial.label, trial.overrides, ExperimentConfig.model_validate(raw)))
+    return resolved, tracking_uri, setting, view
+
+
+def _parent_run(sweep: Sweep, trials: Sequence[Trial], tracking_uri: str, key: str) -> tuple[str, bool]:
+    """Find the sweep's MLflow parent run by its key, or create it with the sweep file and trial list."""
+    from mlflow.entities import RunStatus
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    experiment = trials[0].config.mlflow.experiment
+    found = client.get_experiment_by_name(experiment)
+    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+    quoted = key.replace("'", "\\'")
+    existing = client.search_runs(
+        [experiment_id], filter_string=f"tags.`{SWEEP_KEY_TAG}` = '{quoted}'", max_results=1
+    )
+    if existing:
+        run_id = existing[0].info.run_id
+        client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        return run_id, True
+    run = client.create_run(
+        experiment_id,
+        run_name=sweep.spec.name,
+        tags={SWEEP_KEY_TAG: key, SWEEP_TAG: sweep.spec.name, "mlflow.note.content": sweep.spec.description},
+    )
+    run_id = run.info.run_id
+    client.log_param(run_id, "sweep.file", str(sweep.source))
+    client.log_param(run_id, "sweep.base", sweep.spec.base)
+    client.log_param(run_id, "sweep.trials", len(trials))
+    client.log_text(run_id, sweep.source.read_text(), "sweep.yaml")
+    listing = [{"label": t.label, "run.name": t.config.run.name, "overrides": t.overrides} for t in trials]
+    client.log_text(run_id, yaml.safe_dump(listing, sort_keys=False), "trials.yaml")
+    return run_id, False
+
+
+def _baselines(sweep: Sweep, trial: Trial, tracking_uri: str, parent_run_id: str, key: str) -> None:
+    """Each baseline once per sweep, as a child run (skipped when a finished one is there)."""
+    from mlflow.tracking import MlflowClient
+
+    from dmltrain.service.sweeps.baselines import pixel_baseline
+
+    client = MlflowClient(tracking_uri)
+    experiment_id = client.get_run(parent_run_id).info.experiment_id
+    for name in sweep.spec.baselines:
+        label = PIXELS_LABEL if name == "pixels" else name
+        tag = f"{key}/{name}"
+        done = client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`{BASELINE_TAG}` = '{tag.replace(chr(39), chr(92) + chr(39))}' "
+            "and attributes.status = 'FINISHED'",
+            max_results=1,
+        )
+        if done:
+            continue
+        run = client.create_run(
+            experiment_id,
+            run_name=f"{sweep.spec.name}.{name}",
+            tags={**child_tags(parent_run_id, sweep.spec.name, label), BASELINE_TAG: tag},
+        )
+        client.log_param(run.info.run_id, "data.root", trial.config.data.root)
+        client.log_param(run.info.run_id, "data.image_size", str(trial.config.data.image_size))
+        try:
+            metrics = pixel_baseline(trial.config, RunLogger(tracking_uri, run.info.run_id))
+        except BaseException:
+            set_run_status(tracking_uri, run.info.run_id, "FAILED")
+            raise
+        set_run_status(tracking_uri, run.info.run_id, "FINISHED")
+        log.info("baseline %s: %s", label, {k: round(v, 4) for k, v in metrics.items() if "@1" in k})
+
+
+def concurrent_trials(trials: Sequence[Trial], resources: dict[str, float], cluster: dict[str, float]) -> int:
+    """How many trials fit on the cluster at once: its CPUs (and GPUs) over the largest trial's needs."""
+    cpu_need = max(t.config.scaling.num_workers * t.config.scaling.cpus_per_worker for t in trials)
+    cpu_need += resources.get("CPU", resources.get("cpu", 0.0))
+    fits = math.floor(cluster.get("CPU", 0.0) / cpu_need) if cpu_need > 0 else len(trials)
+    gpu_trials = [t for t in trials if t.config.scaling.use_gpu is not False]
+    if cluster.get("GPU", 0.0) > 0 and gpu_trials:
+        gpu_need = max(t.config.scaling.num_workers for t in gpu_trials)
+        fits = min(fits, math.floor(cluster["GPU"] / gpu_need))
+    return max(1, min(fits, len(trials)))
+
+
+def _trial_resources(resources: dict[str, float]) -> dict[str, float]:
+    """Ray refuses a placement group whose only bundle is empty; a trial that asks for no CPU and no GPU
+    still declares the memory its driver process takes, which keeps the bundle non-empty."""
+    out = dict(resources)
+    if not any(v > 0 for v in out.values()):
+        out["memory"] = float(512 * 1024 * 1024)
+    return out
+
+
+def run_sweep(sweep: Sweep) -> SweepOutcome:
+    """Check, then run every trial of ``sweep`` through Ray Tune; returns the summary read from MLflow."""
+    trials, tracking_uri, _setting, _view = _check_trials(sweep)
+    storage = trials[0].config.run.storage_path
+    key = f"{storage.rstrip('/')}/{sweep.spec.name}"
+    parent_run_id, resumed = _parent_run(sweep, trials, tracking_uri, key)
+    log.info(
+        "sweep %s: %d trial(s); MLflow parent run %s (%s) at %s",
+        sweep.spec.name,
+        len(trials),
+        parent_run_id,
+        "continued" if resumed else "new",
+        tracking_uri,
+    )
+    failed: dict[str, str] = {}
+    try:
+        _baselines(sweep, trials[0], tracking_uri, parent_run_id, key)
+        failed = _tune(sweep, trials, tracking_uri, parent_run_id, storage)
+        results = order(collect(tracking_uri, parent_run_id), [t.label for t in trials])
+        unfinished = _unfinished(results, [t.label for t in trials], failed, tracking_uri)
+        title = f"sweep {sweep.spec.name}"
+        log_summary(tracking_uri, parent_run_id, results, title)
+    except KeyboardInterrupt:
+        set_run_status(tracking_uri, parent_run_id, "KILLED")
+        raise
+    except BaseException:
+        set_run_status(tracking_uri, parent_run_id, "FAILED")
+        raise
+    status = "FAILED" if failed else "KILLED" if unfinished else "FINISHED"
+    set_run_status(tracking_uri, parent_run_id, status)
+    return SweepOutcome(
+        parent_run_id, tracking_uri, results, {**unfinished, **failed}, summary_markdown(results, title)
+    )
+
+
+def _unfinished(
+    results: list[TrialResult], labels: Sequence[str], failed: dict[str, str], tracking_uri: str
+) -> dict[str, str]:
+    """Trials that neither finished nor failed: Tune was interrupted (Ctrl-C) before or while they ran.
+    A child run left RUNNING by a stopped trial is marked KILLED (a relaunch resumes it)."""
+    runs = {r.label: r for r in results if r.kind == "trial"}
+    out = {}
+    for label in labels:
+        run = runs.get(label)
+        if run is not None and run.status == "RUNNING":
+            set_run_status(tracking_uri, run.run_id, "KILLED")
+            run.status = "KILLED"
+        if label not in failed and (run is None or run.status != "FINISHED"):
+            out[label] = f"did not finish (MLflow status {run.status if run else 'none: not started'})"
+    return out
+
+
+def _tune(
+    sweep: Sweep, trials: Sequence[Trial], tracking_uri: str, parent_run_id: str, storage: str
+) -> dict[str, str]:
+    """Run the trials as one Tune experiment; returns the failed trials' errors by label."""
+    import ray
+    from ray import tune
+
+    connect_ray()
+    resources = _trial_resources(sweep.spec.trial_resources)
+    concurrent = sweep.spec.max_concurrent_trials or concurrent_trials(
+        trials, sweep.spec.trial_resources, ray.cluster_resources()
+    )
+    log.info("sweep %s: up to %d trial(s) at once", sweep.spec.name, concurrent)
+    # Tune's search space holds the labels (its tables show them); each trial's full config travels once,
+    # as an object in Ray's store, through tune.with_parameters.
+    payloads = {
+        t.label: {
+            "label": t.label,
+            "config": t.config.model_dump(mode="json"),
+            "parent_run_id": parent_run_id,
+            "sweep": sweep.spec.name,
+        }
+        for t in trials
+    }
+    names = {t.label: t.config.run.name for t in trials}
+
+    def trial_name(trial: Any) -> str:
+        return names.get(trial.config["trial"], trial.trial_id)
+
+    tuner = tune.Tuner(
+        tune.with_resources(tune.with_parameters(run_trial, payloads=payloads), resources),
+        param_space={"trial": tune.grid_search([t.label for t in trials])},
+        tune_config=tune.TuneConfig(
+            max_concurrent_trials=concurrent,
+            trial_name_creator=trial_name,
+            trial_dirname_creator=trial_name,
+        ),
+        run_config=tune.RunConfig(name=sweep.spec.name, storage_path=storage, verbose=1),
+    )
+    grid = tuner.fit()
+    failed = {}
+    for result in grid:
+        if result.error is not None:
+            label = str((result.config or {}).get("trial", "?"))
+            failed[label] = " ".join(str(result.error).split())[:500]
+    return failed

@@ -1,0 +1,187 @@
+"""Sweep files: one base experiment config plus the overrides that make each trial.
+
+```yaml
+name: quality-losses                  # Tune experiment + MLflow parent run; relaunching it resumes
+base: ../quickstart.yaml              # an experiment config, relative to this file
+experiment: dmltrain-quality          # MLflow experiment of the parent and its child runs
+overrides:                            # dotted keys applied to every trial
+  train.steps: 300
+variants:                             # named trials (optional) ...
+  - name: fastap
+    overrides: {loss: {name: fastap, num_bins: 10}}
+grid:                                 # ... times every combination of these values (optional)
+  optim.lr: [0.001, 0.0003]
+baselines: [pixels]                   # raw-pixel retrieval, logged as a child run of its own
+```
+
+A trial is one variant combined with one grid point; its overrides apply on top of the sweep's ``overrides``,
+and a value may be a whole section (``loss: {name: fastap}`` replaces the base's loss section, so switching
+losses never leaves another loss's keys behind). Every trial is validated before Ray starts, with one line
+naming the trial and the key.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dmltrain.service.config import ConfigError, ExperimentConfig, apply_overrides, config_from_dict
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Variant(_Strict):
+    name: str = Field(min_length=1, description="Label of the trial in tables, plots and run names.")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="Dotted key -> value.")
+
+
+class SweepSpec(_Strict):
+    """A parsed sweep file (see the module docstring)."""
+
+    name: str = Field(min_length=1, description="Tune experiment name and MLflow parent run name.")
+    base: str = Field(description="Experiment YAML every trial starts from (relative to the sweep file).")
+    description: str = ""
+    experiment: str | None = Field(
+        default=None, description="MLflow experiment for the parent and child runs; None = the base's."
+    )
+    overrides: dict[str, Any] = Field(default_factory=dict, description="Dotted overrides for every trial.")
+    variants: list[Variant] = Field(default_factory=list)
+    grid: dict[str, list[Any]] = Field(default_factory=dict, description="Dotted key -> values (product).")
+    baselines: list[Literal["pixels"]] = Field(
+        default_factory=list, description="pixels: retrieval on raw normalised pixels, no network."
+    )
+    trial_resources: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 0.0},
+        description="Ray resources of each Tune trial, which only drives its Ray Train run (the workers "
+        "request their own through scaling.*); 0 CPUs so a trial never holds a core its workers need.",
+    )
+    max_concurrent_trials: int | None = Field(
+        default=None, ge=1, description="None: as many trials as the cluster's CPUs/GPUs hold at once."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> SweepSpec:
+        names = [v.name for v in self.variants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"variant names must be unique, got {names}")
+        for key, values in self.grid.items():
+            if not values:
+                raise ValueError(f"grid.{key} has no values")
+        return self
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One run of the sweep: its label, the overrides that make it, and its validated config."""
+
+    label: str
+    overrides: dict[str, Any]
+    config: ExperimentConfig
+
+
+@dataclass(frozen=True)
+class Sweep:
+    spec: SweepSpec
+    source: Path  # the sweep file
+    base_raw: dict[str, Any]  # the base config as read (before any override)
+    trials: tuple[Trial, ...]
+
+
+def _read_yaml(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{what} not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{what} {path} is not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} {path} must hold a mapping at the top level")
+    return raw
+
+
+def _as_override(key: str, value: Any) -> str:
+    """``key=value`` in the form `apply_overrides` parses (the value as YAML, so types survive)."""
+    return f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+
+
+def _value_label(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return str(value.get("name", "+".join(f"{k}={_value_label(v)}" for k, v in value.items())))
+    return str(value)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", text).strip("_") or "trial"
+
+
+def expand(spec: SweepSpec) -> list[tuple[str, dict[str, Any]]]:
+    """Every (label, overrides) of the sweep: variants x grid points, in file order."""
+    variants: list[tuple[str, dict[str, Any]]] = [(v.name, v.overrides) for v in spec.variants] or [("", {})]
+    keys = list(spec.grid)
+    out = []
+    for name, variant_overrides in variants:
+        for values in itertools.product(*(spec.grid[k] for k in keys)):
+            point = dict(zip(keys, values, strict=True))
+            parts = ([name] if name else []) + [
+                f"{k.split('.')[-1]}={_value_label(v)}" for k, v in point.items()
+            ]
+            overrides = {**spec.overrides, **variant_overrides, **point}
+            out.append((",".join(parts) or "base", overrides))
+    labels = [label for label, _ in out]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"sweep {spec.name}: trial labels repeat ({labels}); give variants distinct names")
+    return out
+
+
+def trial_config(
+    base_raw: Mapping[str, Any], overrides: Mapping[str, Any], extra: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The raw config of a trial: the base, the trial's overrides, then command-line ``extra`` ones."""
+    texts = [_as_override(k, v) for k, v in overrides.items()] + list(extra)
+    return apply_overrides(dict(base_raw), texts)
+
+
+def run_name(sweep_name: str, label: str) -> str:
+    """The trial's ``run.name``: unique within the sweep, stable across relaunches (so a relaunch resumes)."""
+    return _slug(f"{sweep_name}.{label}")
+
+
+def load_sweep(
+    path: str | os.PathLike[str], extra_overrides: Sequence[str] = (), name: str | None = None
+) -> Sweep:
+    """Read and validate a sweep file; ``extra_overrides`` (``key=value``) apply to every trial after the
+    file's own, and ``name`` replaces the sweep's name (a different name is a different sweep)."""
+    source = Path(path).resolve()
+    raw = _read_yaml(source, "sweep file")
+    try:
+        spec = SweepSpec.model_validate(raw)
+    except ValidationError as error:
+        first = error.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(
+            f"sweep file {source}: {key}: {first['msg'].removeprefix('Value error, ')}"
+            + (f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else "")
+        ) from None
+    if name:
+        spec = spec.model_copy(update={"name": name})
+    base_path = (source.parent / spec.base).resolve()
+    base_raw = _read_yaml(base_path, f"sweep file {source}: base config")
+    trials = []
+    for label, overrides in expand(spec):
+        data = trial_config(base_raw, overrides, extra_overrides)
+        data.setdefault("run", {})["name"] = run_name(spec.name, label)
+        if spec.experiment:
+            data.setdefault("mlflow", {})["experiment"] = spec.experiment
+        config = config_from_dict(data, f"of sweep {spec.name}, trial {label!r} (base {base_path})")
+        trials.append(Trial(label, overrides, config))
+    return Sweep(spec, source, base_raw, tuple(trials))

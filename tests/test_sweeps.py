@@ -1,0 +1,165 @@
+"""Sweeps: sweep files expand into validated trials (fast), and a real 2-trial sweep runs through Ray Tune
+into one MLflow parent run with nested child runs (marked service)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+from dmltrain.service.config import ConfigError
+from dmltrain.service.sweeps import load_sweep, run_sweep
+from dmltrain.service.sweeps.driver import concurrent_trials
+from dmltrain.service.sweeps.spec import run_name
+from dmltrain.service.sweeps.trial import BASELINE_TAG, TRIAL_TAG
+
+REPO = Path(__file__).parents[1]
+
+
+def _write(path: Path, spec: dict) -> Path:
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def _spec(**extra) -> dict:
+    return {
+        "name": "t",
+        "base": str(REPO / "configs" / "quickstart.yaml"),
+        "overrides": {"train.steps": 2},
+        **extra,
+    }
+
+
+def test_variants_times_grid_replace_whole_sections(tmp_path: Path) -> None:
+    sweep = load_sweep(
+        _write(
+            tmp_path / "s.yaml",
+            _spec(
+                variants=[
+                    {"name": "fastap", "overrides": {"loss": {"name": "fastap", "num_bins": 20}}},
+                    {"name": "smoothap", "overrides": {"loss": {"name": "smoothap"}}},
+                ],
+                grid={"train.global_batch_size": [64, 256]},
+            ),
+        ),
+        ["train.log_every=1"],
+    )
+    labels = [t.label for t in sweep.trials]
+    assert labels == [
+        "fastap,global_batch_size=64",
+        "fastap,global_batch_size=256",
+        "smoothap,global_batch_size=64",
+        "smoothap,global_batch_size=256",
+    ]
+    first = sweep.trials[0].config
+    # the base's smoothap `temperature` is gone with its section, the grid and command line apply
+    assert first.loss.name == "fastap" and first.loss.num_bins == 20
+    assert first.train.global_batch_size == 64 and first.train.steps == 2 and first.train.log_every == 1
+    assert len({t.config.run.name for t in sweep.trials}) == 4
+    assert first.run.name == run_name("t", labels[0])
+
+
+def test_a_bad_trial_is_refused_naming_trial_and_key(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path / "s.yaml", _spec(variants=[{"name": "typo", "overrides": {"optim.lr_rate": 0.1}}])
+    )
+    with pytest.raises(ConfigError, match=r"(?s)sweep t, trial 'typo'.*\n  optim.lr_rate: unknown key"):
+        load_sweep(path)
+    with pytest.raises(ConfigError, match=r"grid.train.steps has no values"):
+        load_sweep(_write(tmp_path / "g.yaml", _spec(grid={"train.steps": []})))
+    with pytest.raises(ConfigError, match=r"base config not found"):
+        load_sweep(_write(tmp_path / "b.yaml", _spec(base="missing.yaml")))
+
+
+def test_concurrency_follows_the_cluster(tmp_path: Path) -> None:
+    sweep = load_sweep(_write(tmp_path / "s.yaml", _spec(grid={"optim.lr": [1e-3, 1e-4, 1e-5]})))
+    trials = list(sweep.trials)  # 2 workers x 1 CPU each
+    assert concurrent_trials(trials, {"CPU": 0}, {"CPU": 2}) == 1
+    assert concurrent_trials(trials, {"CPU": 0}, {"CPU": 5}) == 2
+    assert concurrent_trials(trials, {"CPU": 1}, {"CPU": 6}) == 2
+    assert concurrent_trials(trials, {"CPU": 0}, {"CPU": 64}) == 3  # never more than there are trials
+    assert concurrent_trials(trials, {"CPU": 0}, {"CPU": 64, "GPU": 4}) == 2  # 2 GPU workers each
+
+
+@pytest.mark.service
+def test_two_trial_sweep_nests_child_runs_under_one_parent(
+    ray_cluster, glyphs_root: Path, tmp_path: Path
+) -> None:
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    path = _write(
+        tmp_path / "sweep.yaml",
+        {
+            "name": "tiny",
+            "base": str(REPO / "configs" / "quickstart.yaml"),
+            "experiment": "sweep-test",
+            "overrides": {
+                "data.root": str(glyphs_root),
+                "data.prepare": None,
+                "train.steps": 2,
+                "train.global_batch_size": 32,
+                "train.chunk_size": 16,
+                "train.log_every": 1,
+                "train.eval_every": 2,
+                "eval.max_images": 400,
+                "eval.grid_queries": 0,
+                "run.storage_path": str(tmp_path / "ray_results"),
+                "mlflow.tracking_uri": tracking,
+            },
+            "variants": [
+                {"name": "smoothap", "overrides": {"loss": {"name": "smoothap"}}},
+                {"name": "fastap", "overrides": {"loss": {"name": "fastap", "num_bins": 10}}},
+            ],
+            "baselines": ["pixels"],
+            "max_concurrent_trials": 1,
+        },
+    )
+    outcome = run_sweep(load_sweep(path))
+    assert outcome.failed == {}
+    client = MlflowClient(tracking)
+    parent = client.get_run(outcome.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["dmltrain.sweep"] == "tiny"
+    artifacts = {a.path for a in client.list_artifacts(outcome.parent_run_id)}
+    assert {"summary.md", "summary.json", "sweep.yaml", "trials.yaml", "plots"} <= artifacts
+    plots = {a.path for a in client.list_artifacts(outcome.parent_run_id, "plots")}
+    assert {"plots/recall_at_1_by_step.png", "plots/recall_at_1_by_images.png"} <= plots
+
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent.info.run_id}'"
+    )
+    by_label = {run.data.tags[TRIAL_TAG]: run for run in children}
+    assert set(by_label) == {"smoothap", "fastap", "raw pixels"}
+    assert BASELINE_TAG in by_label["raw pixels"].data.tags
+    for label in ("smoothap", "fastap"):
+        run = by_label[label]
+        assert run.info.status == "FINISHED" and run.data.params["loss.name"] == label
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/test/recall_at_1"))
+        assert steps == [0, 2]
+        assert run.data.metrics["train/peak_rss_mb"] > 100
+        assert run.data.metrics["train/step_seconds"] > 0
+    # every trial starts from the same seeded network: one untrained figure
+    step0 = {
+        label: next(
+            m.value
+            for m in client.get_metric_history(by_label[label].info.run_id, "eval/test/recall_at_1")
+            if m.step == 0
+        )
+        for label in ("smoothap", "fastap")
+    }
+    assert step0["smoothap"] == step0["fastap"]
+    rows = {r.label: r.row() for r in outcome.results}
+    assert rows["fastap"]["images_seen"] == 64 and rows["raw pixels"]["recall_at_1"] > 0
+    assert "| untrained network (step 0) |" in outcome.summary
+
+    # A relaunch continues the same parent; finished trials are not trained again (no new child runs).
+    again = run_sweep(load_sweep(path))
+    assert again.parent_run_id == outcome.parent_run_id and again.failed == {}
+    rerun = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent.info.run_id}'"
+    )
+    assert len(rerun) == 3
+    assert {r.label: r.row()["recall_at_1"] for r in again.results} == {
+        r.label: r.row()["recall_at_1"] for r in outcome.results
+    }
