@@ -31,7 +31,9 @@ URI = "sqlite:///unused.db"
 
 
 def _config(*overrides: str) -> ExperimentConfig:
-    return load_config(REPO / "configs" / "quickstart.yaml", ["run.storage_path=/runs", *overrides])
+    return load_config(
+        REPO / "configs" / "quickstart.yaml", ["run.storage_path=/runs", "train.steps=300", *overrides]
+    )
 
 
 def _existing(config: ExperimentConfig, status: str = "FINISHED", step: int | None = 300) -> ExistingRun:

@@ -79,6 +79,14 @@ def bed_requirements() -> str | None:
     for module in ("psycopg2", "moto", "s3fs"):
         if importlib.util.find_spec(module) is None:
             return f"the cluster test bed needs {module}: pip install -e '.[cpu,dev]'"
+    # Every node mounts a /tmp of its own, so an interpreter or a checkout under /tmp is invisible there.
+    package = Path(__file__).resolve().parents[3]
+    for what, path in (("the Python environment", Path(sys.prefix).resolve()), ("the checkout", package)):
+        if path == Path("/tmp") or Path("/tmp") in path.parents:
+            return (
+                f"the cluster test bed gives each node its own /tmp, which hides {what} at {path}: "
+                "use one outside /tmp"
+            )
     return None
 
 
