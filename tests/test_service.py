@@ -280,7 +280,10 @@ def test_sigterm_marks_the_run_killed_and_a_relaunch_resumes_it(
     assert resumed.info.status == "FINISHED"
     assert resumed.data.tags["dmltrain.segments"] == f"1@0; 2@{step} (train.steps: 400 -> {step + 2})"
     steps = _history(client, run.info.run_id, "train/loss")
-    assert steps == list(range(1, step + 3)), steps  # nothing lost, nothing logged twice
+    # Nothing lost, nothing logged twice. The stopped driver may have logged steps past its last complete
+    # checkpoint (the relaunch re-runs them and skips their stored metrics), so the history can end after
+    # the relaunch's last step.
+    assert steps == list(range(1, max(steps) + 1)) and max(steps) >= step + 2, (step, steps)
 
 
 def _free_port() -> int:
