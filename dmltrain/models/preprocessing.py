@@ -21,6 +21,9 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 Interpolation = Literal["bilinear", "bicubic", "nearest"]
 CropMode = Literal["center", "squash"]
 INTERPOLATIONS: tuple[str, ...] = ("bilinear", "bicubic", "nearest")
+# The data transforms' resize_mode for each crop_mode (the papers' "warp" is timm/open_clip's "squash").
+RESIZE_MODE_OF_CROP: dict[str, Literal["shorter_side", "warp"]] = {"center": "shorter_side", "squash": "warp"}
+CROP_MODE_OF_RESIZE: dict[str, CropMode] = {"shorter_side": "center", "warp": "squash"}
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,7 @@ class PreprocessConfig:
     @property
     def resize_mode(self) -> Literal["shorter_side", "warp"]:
         """The data transforms' name for ``crop_mode`` (squash = the papers' warp)."""
-        return "warp" if self.crop_mode == "squash" else "shorter_side"
+        return RESIZE_MODE_OF_CROP[self.crop_mode]
 
     def test_transform(self):  # -> dmltrain.data.transforms.Transform
         """Resize + centre crop on uint8 (C, H, W) tensors, as evaluation and serving apply it."""

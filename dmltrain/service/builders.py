@@ -30,6 +30,7 @@ from dmltrain.models import (
     parameter_groups,
     preprocessing_for,
 )
+from dmltrain.models.preprocessing import CROP_MODE_OF_RESIZE
 from dmltrain.service.config import (
     ExperimentConfig,
     FastAPConfig,
@@ -49,7 +50,7 @@ def resolve_preprocessing(config: ExperimentConfig) -> PreprocessConfig:
     and the saved model all use this one value."""
     model, data = config.model, config.data
     base = preprocessing_for(model.backbone, model.weights, model.backbone_kwargs)
-    crop_mode = None if data.resize_mode is None else ("squash" if data.resize_mode == "warp" else "center")
+    crop_mode = None if data.resize_mode is None else CROP_MODE_OF_RESIZE[data.resize_mode]
     return base.with_overrides(
         resolution=data.image_size,
         resize=data.resize,
