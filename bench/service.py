@@ -7,7 +7,7 @@ The model, loss, optimizer, image size and global batch come from the config (de
 configs/quickstart.yaml: resnet18 from scratch, 32 px glyphs, Smooth-AP, Adam, global batch 128).
 
 Part 1, steps side by side. Two groups of long-lived processes share the cores: "1x2" (one process, 2 torch
-threads) and "2x1" (two gloo processes, 1 thread each, as Ray runs the quickstart). Every variant below is
+threads, as Ray runs the quickstart) and "2x1" (two gloo processes, 1 thread each). Every variant below is
 built once in its group and fed the same decoded batches (real glyph shards through the real TrainLoader,
 decoded once up front); the groups take turns, variant by variant, in rounds (the order rotates every
 round), so load changes hit all variants alike. A block is S steps between two barriers; a variant's figure
@@ -36,6 +36,7 @@ On a shared machine absolute figures move with the load: read the ratios, and th
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import itertools
 import json
@@ -246,6 +247,12 @@ def _group_worker(rank: int, world: int, port: int, conn: Connection, spec: dict
             dist.destroy_process_group()
 
 
+def _terminate(proc: Any) -> None:
+    """At exit (also after an error): no group process outlives the benchmark."""
+    if proc.is_alive():
+        proc.terminate()
+
+
 class _Group:
     """A layout's processes (1 x 2 threads, or 2 gloo processes x 1 thread) with their variants."""
 
@@ -260,8 +267,10 @@ class _Group:
         self.conns, self.procs = [], []
         for rank in range(self.world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_group_worker, args=(rank, self.world, port, child, spec), daemon=True)
+            # Not daemonic: the live-data variant's TrainLoader may start loader processes of its own.
+            proc = ctx.Process(target=_group_worker, args=(rank, self.world, port, child, spec))
             proc.start()
+            atexit.register(_terminate, proc)
             self.conns.append(parent)
             self.procs.append(proc)
         self.threads = [self._receive(c) for c in self.conns]

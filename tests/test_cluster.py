@@ -24,9 +24,14 @@ pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).parents[1]
 BUCKET = "dmltrain-bed"
-# The quickstart shrunk to seconds per step: 32 px glyphs, batch 32 over 2 workers, few evaluation images.
+# The quickstart shrunk to seconds per step: 32 px glyphs, batch 32 over 2 workers (one per 1-CPU node),
+# few evaluation images.
 SMALL = [
     "data.prepare=null",
+    "scaling.num_workers=2",
+    "scaling.cpus_per_worker=1",
+    "scaling.torch_threads=1",
+    "data.loader_workers=0",
     "train.global_batch_size=32",
     "train.chunk_size=16",
     "train.eval_at_start=false",

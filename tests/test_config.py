@@ -87,7 +87,7 @@ def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="key.sub=value"):
         load_config(path, ["train.steps"])
     with pytest.raises(ConfigError, match="divisible"):
-        load_config(path, ["train.global_batch_size=129"])
+        load_config(path, ["train.global_batch_size=129", "scaling.num_workers=2"])
 
 
 def test_worker_environment_keys(tmp_path: Path) -> None:
@@ -282,9 +282,14 @@ def test_triplet_config_runs_whole_triplets_and_scores_the_sampled_ones(tmp_path
         load_config(path)
     assert load_config(path, ["loss.triplets=all"]).loss.triplets == "all"
     with pytest.raises(ConfigError, match=r"multiple of 3") as error:
-        load_config(path, ["sampler.name=triplet"])  # 128 / 2 workers = 64 per worker
+        load_config(path, ["sampler.name=triplet"])  # 128 images on the one worker
     assert "got {" not in str(error.value)  # one readable line, not the whole config echoed back
-    assert load_config(path, ["sampler.name=triplet", "train.global_batch_size=126"]).local_batch_size == 63
+    assert (
+        load_config(
+            path, ["sampler.name=triplet", "train.global_batch_size=126", "scaling.num_workers=2"]
+        ).local_batch_size
+        == 63
+    )
 
 
 def test_rll_gradient_and_resize_mode_keys_are_validated(tmp_path: Path) -> None:
@@ -299,10 +304,13 @@ def test_rll_gradient_and_resize_mode_keys_are_validated(tmp_path: Path) -> None
 def test_live_batchnorm_is_announced_once_when_it_breaks_the_exact_gradient() -> None:
     from dmltrain.service.run import batchnorm_note
 
-    quick = load_config(CONFIGS[0].parent / "quickstart.yaml", ["model.freeze_bn=false"])
+    quickstart = CONFIGS[0].parent / "quickstart.yaml"
+    quick = load_config(quickstart, ["model.freeze_bn=false", "scaling.num_workers=2"])
     note = batchnorm_note(quick)
     assert note is not None and "model.freeze_bn=false" in note and "not the exact" in note
-    assert batchnorm_note(load_config(CONFIGS[0].parent / "quickstart.yaml")) is None  # frozen as shipped
+    assert batchnorm_note(load_config(quickstart)) is None  # frozen as shipped
+    # one worker embedding its whole batch in one chunk: live BatchNorm sees the global batch
+    assert batchnorm_note(load_config(quickstart, ["model.freeze_bn=false"])) is None
     assert batchnorm_note(_paper("sop_rll")) is None  # one worker, one chunk: BN sees the whole batch
     assert batchnorm_note(_paper("sop_rll").model_copy(update={"scaling": quick.scaling})) is not None
 

@@ -20,6 +20,7 @@ from dmltrain.service.cluster import (
     check_shared_paths,
     decide_topology,
     joins_existing_cluster,
+    local_capacity_problem,
     resolve_use_gpu,
     storage_problems,
 )
@@ -69,6 +70,26 @@ def test_topology_decisions() -> None:
 
 
 MULTI = Topology(True, "2 alive Ray nodes")
+
+
+def test_workers_that_a_single_node_cannot_hold_are_refused_with_the_numbers() -> None:
+    """Ray would wait forever for CPUs a local cluster does not have; an attached cluster may autoscale."""
+    quickstart = load_config(QUICKSTART)  # 1 worker x 2 CPUs
+    local = ClusterView((), attached=False)  # the cluster this driver is about to start
+    assert local_capacity_problem(quickstart, local, machine_cpus=2) is None
+    line = local_capacity_problem(quickstart, local, machine_cpus=1)
+    assert line == (
+        "scaling.num_workers=1 x scaling.cpus_per_worker=2 = 2 CPUs, but the single-node Ray cluster of this "
+        "run has 1: lower scaling.cpus_per_worker (torch threads follow it unless scaling.torch_threads is "
+        "set) or scaling.num_workers"
+    )
+    four = load_config(QUICKSTART, ["scaling.num_workers=4", "scaling.cpus_per_worker=1"])
+    in_process = ClusterView.from_ray_nodes([_node("n", "127.0.0.1", 3.0)], attached=False)
+    assert "= 4 CPUs, but the single-node Ray cluster of this run has 3" in local_capacity_problem(
+        four, in_process, machine_cpus=64
+    )
+    attached = ClusterView.from_ray_nodes([_node("n", "127.0.0.1", 3.0)], attached=True)
+    assert local_capacity_problem(four, attached, machine_cpus=1) is None
 
 
 def test_default_config_on_a_multi_node_cluster_is_refused_one_line_per_setting() -> None:

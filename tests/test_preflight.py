@@ -79,7 +79,7 @@ def test_data_errors_name_the_root_in_one_line(glyphs_root: Path, tmp_path: Path
     many = _one_line_error(check_data, _config(*base, "train.global_batch_size=4096"), info)
     assert many.startswith("train.global_batch_size=4096 / sampler.samples_per_class=4 = 1024 classes")
     shards = len(info.split("train").shards)
-    crowded = _config(*base, f"data.loader_workers={shards}")  # 2 ranks x shards workers > shards
+    crowded = _config(*base, "scaling.num_workers=2", f"data.loader_workers={shards}")  # 2 x shards > shards
     assert "smaller --shard-size" in _one_line_error(check_data, crowded, info)
 
 

@@ -27,6 +27,14 @@ from dmltrain.service.run import launch
 pytestmark = pytest.mark.service
 
 REPO = Path(__file__).parents[1]
+# The quickstart runs one worker with 2 threads; these tests keep 2 ranks so the all-gather, the gradient
+# all-reduce and rank 0's duties run through Ray for real.
+TWO_WORKERS = (
+    "scaling.num_workers=2",
+    "scaling.torch_threads=1",
+    "scaling.cpus_per_worker=1",
+    "data.loader_workers=0",
+)
 
 
 def _config(tmp_path: Path, glyphs: Path, name: str, *overrides: str) -> ExperimentConfig:
@@ -38,6 +46,7 @@ def _config(tmp_path: Path, glyphs: Path, name: str, *overrides: str) -> Experim
             f"run.name={name}",
             f"run.storage_path={tmp_path / 'ray_results'}",
             f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            *TWO_WORKERS,
             "train.global_batch_size=32",
             "train.chunk_size=8",
             "train.log_every=2",

@@ -75,8 +75,9 @@ def test_a_bad_trial_is_refused_naming_trial_and_key(tmp_path: Path) -> None:
 
 
 def test_concurrency_follows_the_cluster(tmp_path: Path) -> None:
-    sweep = load_sweep(_write(tmp_path / "s.yaml", _spec(grid={"optim.lr": [1e-3, 1e-4, 1e-5]})))
-    trials = list(sweep.trials)  # 2 workers x 1 CPU each
+    two_workers = {"train.steps": 2, "scaling.num_workers": 2, "scaling.cpus_per_worker": 1}
+    spec = _spec(overrides=two_workers, grid={"optim.lr": [1e-3, 1e-4, 1e-5]})
+    trials = list(load_sweep(_write(tmp_path / "s.yaml", spec)).trials)  # 2 workers x 1 CPU each
     assert concurrent_trials(trials, {"CPU": 0}, {"CPU": 2}) == 1
     assert concurrent_trials(trials, {"CPU": 0}, {"CPU": 5}) == 2
     assert concurrent_trials(trials, {"CPU": 1}, {"CPU": 6}) == 2

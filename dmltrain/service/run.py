@@ -36,6 +36,7 @@ from dmltrain.service.cluster import (
     check_shared_paths,
     decide_topology,
     joins_existing_cluster,
+    local_capacity_problem,
     resolve_use_gpu,
     storage_problems,
 )
@@ -153,6 +154,14 @@ def _cluster_view(connect: bool) -> ClusterView:
     )
 
 
+def _machine_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, as Ray counts them for a local cluster)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def check_cluster(config: ExperimentConfig, tracking_uri: str, tracking_is_default: bool) -> ClusterView:
     """Connect to an existing cluster (or not yet, for a local one) and refuse settings that cannot work
     on it: one line per setting (dmltrain.service.cluster). ``config`` is as written (paths unresolved)."""
@@ -161,6 +170,9 @@ def check_cluster(config: ExperimentConfig, tracking_uri: str, tracking_is_defau
     view = _cluster_view(connect=joins_existing_cluster() or ray.is_initialized())
     topology = decide_topology(config.scaling.topology, view)
     problems = storage_problems(config, tracking_uri, tracking_is_default, topology)
+    capacity = local_capacity_problem(config, view, _machine_cpus())
+    if capacity and not topology.multi_node:
+        problems.append(capacity)
     if problems:
         raise ConfigError("\n".join(problems))
     log.info("Ray cluster: %s (%s)", "multi-node" if topology.multi_node else "single node", topology.reason)

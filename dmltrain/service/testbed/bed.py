@@ -626,7 +626,8 @@ class TestBed:
             f"ray job submit --address {self.dashboard_url} --working-dir . --runtime-env-json "
             f"'{json.dumps({'env_vars': {'MLFLOW_TRACKING_URI': self.mlflow_url}})}' -- "
             f"python -m dmltrain.run configs/quickstart.yaml data.root={self.shared}/glyphs "
-            f"run.storage_path={self.shared}/ray_results",
+            f"run.storage_path={self.shared}/ray_results scaling.num_workers={len(self.nodes) - 1} "
+            f"scaling.cpus_per_worker={self.cpus_per_node}",
             f"MLflow UI: {self.mlflow_url}   S3 endpoint: {self.s3_endpoint} (keys testing/testing)",
             f"a shell on a node (its network, its disk): {shlex.join(self.in_node(self.head, ['bash']))}",
         ]
