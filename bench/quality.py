@@ -75,6 +75,7 @@ def losses_table(outcome: SweepOutcome) -> str:
         rows.append({"method": row["label"], **row})
     columns = [
         ("method", "method"),
+        ("global_batch_size", "global batch"),
         ("steps", "steps"),
         ("recall_at_1", "R@1"),
         ("map_at_r", "MAP@R"),

@@ -164,3 +164,17 @@ def test_two_trial_sweep_nests_child_runs_under_one_parent(
     assert {r.label: r.row()["recall_at_1"] for r in again.results} == {
         r.label: r.row()["recall_at_1"] for r in outcome.results
     }
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_sweeps_load_and_pin_the_layout_they_were_measured_on(path: Path) -> None:
+    """Every trial of every shipped study validates, and the study tables' layout (2 workers unless the
+    trial sets its own) does not follow the quickstart's."""
+    sweep = load_sweep(path)
+    trials = list(sweep.trials)
+    assert trials, path
+    for trial in trials:
+        assert trial.config.data.loader_workers == 0, trial.label
+        if trial.config.scaling.num_workers == 2:
+            assert trial.config.scaling.torch_threads == 1, trial.label
+    assert any(t.config.scaling.num_workers == 2 for t in trials), path
