@@ -159,7 +159,13 @@ def test_prepare_data_refuses_an_infeasible_batch_before_ray(forty: Path) -> Non
     from dmltrain.service.run import prepare_data
 
     repo = Path(__file__).resolve().parents[1]
-    overrides = [f"data.root={forty}", "data.prepare=null", "scaling.num_workers=2", "data.loader_workers=3"]
+    overrides = [
+        f"data.root={forty}",
+        "data.prepare=null",
+        "scaling.num_workers=2",
+        "scaling.cpus_per_worker=1",
+        "data.loader_workers=3",
+    ]
     ok = load_config(repo / "configs" / "quickstart.yaml", [*overrides, "train.global_batch_size=160"])
     prepare_data(ok)
     bad = load_config(repo / "configs" / "quickstart.yaml", [*overrides, "train.global_batch_size=200"])
@@ -173,7 +179,13 @@ def test_the_driver_refuses_an_infeasible_batch_in_one_line_without_ray(forty: P
     """`python -m dmltrain.run` on this machine: exit status 2 and one line, before a local Ray instance
     starts (without RAY_ADDRESS the driver checks the data before it starts Ray)."""
     repo = Path(__file__).resolve().parents[1]
-    overrides = [f"data.root={forty}", "data.prepare=null", "scaling.num_workers=2", "data.loader_workers=3"]
+    overrides = [
+        f"data.root={forty}",
+        "data.prepare=null",
+        "scaling.num_workers=2",
+        "scaling.cpus_per_worker=1",
+        "data.loader_workers=3",
+    ]
     proc = subprocess.run(
         [
             sys.executable,
