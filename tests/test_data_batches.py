@@ -154,18 +154,23 @@ def test_infeasible_batches_are_refused_from_dataset_json_in_one_line(forty: Pat
         assert check_batch(info, "train", {"name": "pk"}, 160, 2, workers).parts is not None
 
 
-def test_prepare_data_refuses_an_infeasible_batch_before_ray(forty: Path) -> None:
-    from dmltrain.service.config import ConfigError, load_config
-    from dmltrain.service.run import prepare_data
-
-    repo = Path(__file__).resolve().parents[1]
-    overrides = [
-        f"data.root={forty}",
+def _two_ranks_of_three_loaders(root: Path) -> list[str]:
+    """The quickstart on `root` with 2 ranks x 3 loader workers (1 CPU each, so 2 cores hold them)."""
+    return [
+        f"data.root={root}",
         "data.prepare=null",
         "scaling.num_workers=2",
         "scaling.cpus_per_worker=1",
         "data.loader_workers=3",
     ]
+
+
+def test_prepare_data_refuses_an_infeasible_batch_before_ray(forty: Path) -> None:
+    from dmltrain.service.config import ConfigError, load_config
+    from dmltrain.service.run import prepare_data
+
+    repo = Path(__file__).resolve().parents[1]
+    overrides = _two_ranks_of_three_loaders(forty)
     ok = load_config(repo / "configs" / "quickstart.yaml", [*overrides, "train.global_batch_size=160"])
     prepare_data(ok)
     bad = load_config(repo / "configs" / "quickstart.yaml", [*overrides, "train.global_batch_size=200"])
@@ -179,13 +184,7 @@ def test_the_driver_refuses_an_infeasible_batch_in_one_line_without_ray(forty: P
     """`python -m dmltrain.run` on this machine: exit status 2 and one line, before a local Ray instance
     starts (without RAY_ADDRESS the driver checks the data before it starts Ray)."""
     repo = Path(__file__).resolve().parents[1]
-    overrides = [
-        f"data.root={forty}",
-        "data.prepare=null",
-        "scaling.num_workers=2",
-        "scaling.cpus_per_worker=1",
-        "data.loader_workers=3",
-    ]
+    overrides = _two_ranks_of_three_loaders(forty)
     proc = subprocess.run(
         [
             sys.executable,
