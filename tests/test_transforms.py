@@ -4,6 +4,7 @@ default, for training and test, and its pass-through from the loaders on real sh
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,9 @@ from torchvision.transforms import v2
 
 from dmltrain.data import EvalLoader, SamplerSpec, TrainAugment, TrainLoader, prepare, train_transform
 from dmltrain.data import test_transform as eval_transform
+from dmltrain.data.loader import collate
+from dmltrain.data.shards import Sample
+from dmltrain.data.transforms import decode, treats_channels_alike
 
 
 def banded(height: int = 40, width: int = 80) -> torch.Tensor:
@@ -116,3 +120,44 @@ def test_data_flip_false_never_mirrors_a_training_image(tmp_path: Path) -> None:
         torch.manual_seed(0)
         mirrored = [bool(transform(image)[:, :, -1].float().mean() > 128) for _ in range(40)]
         assert any(mirrored) is expect_mirrors, (flip, mirrored)
+
+
+def _png(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_grey_sources_go_through_one_channel_and_come_out_as_their_rgb_conversion() -> None:
+    """The loaders decode a greyscale PNG to one channel for this module's (geometric) transforms and repeat
+    it afterwards: pixel for pixel what decoding to RGB first gives, at a third of the pixel work. A user's
+    transform, which may treat channels differently, still gets RGB."""
+    rng = np.random.default_rng(0)
+    grey = [rng.integers(0, 256, (h, w), dtype=np.uint8) for h, w in [(40, 30), (64, 64), (24, 24), (17, 90)]]
+    colour = rng.integers(0, 256, (20, 28, 3), dtype=np.uint8)
+    samples = [Sample(f"s{i}", _png(a), cls=i, category=0) for i, a in enumerate([*grey, colour])]
+    assert decode(samples[0].data, keep_grey=True).shape == (1, 40, 30)
+    assert decode(samples[-1].data, keep_grey=True).shape == (3, 20, 28)  # colour sources stay RGB
+    transforms = [
+        train_transform(24, scale=(0.16, 1.0)),
+        train_transform(24, scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False),  # 24 x 24: the crop is the image
+        train_transform(24, resize_mode="warp", resize=32),
+        eval_transform(24, resize=32),
+    ]
+    for transform in transforms:
+        assert treats_channels_alike(transform)
+        for seed in range(5):
+            torch.manual_seed(seed)
+            images, labels, _ = collate(samples, transform)
+            torch.manual_seed(seed)
+            expected = torch.stack([transform(decode(s.data)) for s in samples])
+            assert images.shape == (len(samples), 3, 24, 24) and torch.equal(images, expected)
+            assert labels.tolist() == list(range(len(samples)))
+    seen: list[tuple[int, ...]] = []
+
+    def user_transform(image: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(image.shape))
+        return v2.functional.center_crop(image, [16, 16])
+
+    assert not treats_channels_alike(user_transform)
+    assert collate(samples[:1], user_transform)[0].shape == (1, 3, 16, 16) and seen == [(3, 40, 30)]

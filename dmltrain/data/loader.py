@@ -40,9 +40,11 @@ from dmltrain.data.transforms import (
     ResizeMode,
     TrainAugment,
     Transform,
+    as_rgb,
     decode,
     test_transform,
     train_transform,
+    treats_channels_alike,
 )
 
 # 2: every worker fills a part of every step (1: each worker built whole batches of every W-th step), and
@@ -52,9 +54,10 @@ STATE_VERSION = 2
 
 def collate(samples: list[Sample], transform: Transform) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     images = []
+    keep_grey = treats_channels_alike(transform)  # grey sources: one channel through the transform
     for sample in samples:
         try:
-            images.append(transform(decode(sample.data)))
+            images.append(as_rgb(transform(decode(sample.data, keep_grey))))
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
             raise ValueError(f"{_where(sample)}: cannot decode/transform the image: {exc}") from exc
     try:

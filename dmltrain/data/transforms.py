@@ -22,12 +22,14 @@ Sizes, the resize rule and the interpolation come from the backbone's preprocess
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 from PIL import Image
+from torch.nn import functional as nn_functional
 from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms.v2 import functional as F
 
@@ -36,14 +38,34 @@ ResizeMode = Literal["shorter_side", "warp"]
 RESIZE_MODES: tuple[ResizeMode, ...] = ("shorter_side", "warp")
 
 
-def decode(data: bytes) -> torch.Tensor:
+def decode(data: bytes, keep_grey: bool = False) -> torch.Tensor:
     """Encoded JPEG/PNG/WebP bytes -> uint8 (3, H, W); grey or RGBA sources become RGB.
 
+    ``keep_grey``: a greyscale (mode "L") source stays one channel, (1, H, W), so a transform that treats
+    channels alike (crops, resizes, flips: `treats_channels_alike`) does a third of the pixel work; `as_rgb`
+    then repeats the channel, which gives exactly what converting first would have.
     PIL rather than torchvision.io, whose decoders are deprecated since torchvision 0.29 (same libjpeg).
     """
     with Image.open(io.BytesIO(data)) as image:
+        if keep_grey and image.mode == "L":
+            return torch.from_numpy(np.array(image)).unsqueeze(0)
         array = np.array(image.convert("RGB"))
     return torch.from_numpy(array).permute(2, 0, 1)
+
+
+def as_rgb(image: torch.Tensor) -> torch.Tensor:
+    """(1, H, W) -> (3, H, W) without copying (a view; stacking a batch makes the copy); RGB as is."""
+    return image.expand(3, -1, -1) if image.shape[-3] == 1 else image
+
+
+def treats_channels_alike(transform: object) -> bool:
+    """Whether `transform` commutes with repeating a grey channel: this module's geometric transforms. A
+    user's transform (colour jitter, normalisation...) may not, so it always gets RGB."""
+    if isinstance(transform, TrainAugment):
+        return True
+    return isinstance(transform, v2.Compose) and all(
+        isinstance(step, (v2.Resize, v2.CenterCrop)) for step in transform.transforms
+    )
 
 
 def default_resize(size: int) -> int:
@@ -99,30 +121,72 @@ class TrainAugment:
         self.flip = flip
         self.warp = (resize or default_resize(size)) if resize_mode == "warp" else None
         self.interpolation = _mode(interpolation)
-        self._crop = v2.RandomResizedCrop(
-            size, scale=scale, ratio=ratio, interpolation=self.interpolation, antialias=True
-        )
+        self.scale, self.ratio = scale, ratio
+        # float32 logs, as torchvision keeps them: the same draws to the last bit
+        self._log_ratio = tuple(float(v) for v in torch.log(torch.tensor(ratio)))
 
     def draw(self, height: int, width: int) -> CropFlip:
-        """Parameters for an image of `height` x `width`, from torch's default CPU generator."""
+        """Parameters for an image of `height` x `width`, from torch's default CPU generator.
+
+        torchvision's `RandomResizedCrop.make_params`, call for call on the generator (a test holds them
+        equal), without its input inspection: a third of the cost, which the loader pays per image."""
         if self.warp is not None:
             height = width = self.warp
-        shape_only = torch.empty(1, dtype=torch.uint8).expand(1, height, width)  # no pixels allocated
-        # make_params is public from torchvision 0.21 on; older versions call it _get_params.
-        make_params = getattr(self._crop, "make_params", None) or self._crop._get_params
-        box = make_params([shape_only])
+        top, left, crop_height, crop_width = self._crop_box(height, width)
         flip = self.flip and bool(torch.rand(1) < 0.5)  # RandomHorizontalFlip(p=0.5)'s coin
-        return CropFlip(box["top"], box["left"], box["height"], box["width"], flip)
+        return CropFlip(top, left, crop_height, crop_width, flip)
+
+    def _crop_box(self, height: int, width: int) -> tuple[int, int, int, int]:
+        area = height * width
+        (low, high), (log_low, log_high) = self.scale, self._log_ratio
+        for _ in range(10):  # up to 10 tries for a box inside the image, as torchvision
+            target_area = area * torch.empty(1).uniform_(low, high).item()
+            aspect_ratio = torch.exp(torch.empty(1).uniform_(log_low, log_high)).item()
+            w = round(math.sqrt(target_area * aspect_ratio))
+            h = round(math.sqrt(target_area / aspect_ratio))
+            if 0 < w <= width and 0 < h <= height:
+                top = int(torch.randint(0, height - h + 1, size=(1,)).item())
+                left = int(torch.randint(0, width - w + 1, size=(1,)).item())
+                return top, left, h, w
+        # torchvision's fallback: the centre crop of the whole image clamped to the ratio range
+        in_ratio = width / height
+        if in_ratio < min(self.ratio):
+            w, h = width, round(width / min(self.ratio))
+        elif in_ratio > max(self.ratio):
+            w, h = round(height * max(self.ratio)), height
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
 
     def apply(self, image: torch.Tensor, params: CropFlip) -> torch.Tensor:
         """uint8 (C, H, W) on any device -> uint8 (C, size, size)."""
         if self.warp is not None:
             image = F.resize(image, [self.warp, self.warp], interpolation=self.interpolation, antialias=True)
         top, left, height, width, flip = params
-        out = F.resized_crop(
-            image, top, left, height, width, [self.size, self.size], self.interpolation, antialias=True
-        )
+        out = self._resized_crop(image, top, left, height, width)
         return F.horizontal_flip(out) if flip else out
+
+    def _resized_crop(
+        self, image: torch.Tensor, top: int, left: int, height: int, width: int
+    ) -> torch.Tensor:
+        """`F.resized_crop`; on CPU uint8 bilinear (torchvision's own native path) a slice and one
+        `interpolate` call, bit for bit the same (a test holds them equal) without torchvision's dispatch,
+        which costs as much as the resize of a small image."""
+        rows, cols = image.shape[-2:]
+        inside = top >= 0 and left >= 0 and top + height <= rows and left + width <= cols
+        native = image.device.type == "cpu" and image.dtype == torch.uint8 and image.ndim == 3
+        if not (inside and native and self.interpolation == InterpolationMode.BILINEAR):
+            return F.resized_crop(
+                image, top, left, height, width, [self.size, self.size], self.interpolation, antialias=True
+            )
+        crop = image[:, top : top + height, left : left + width]
+        if (height, width) == (self.size, self.size):
+            return crop
+        size = (self.size, self.size)
+        out = nn_functional.interpolate(
+            crop.unsqueeze(0), size=size, mode="bilinear", align_corners=False, antialias=True
+        )
+        return out.squeeze(0)
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         return self.apply(image, self.draw(*image.shape[-2:]))
