@@ -168,13 +168,24 @@ def test_two_trial_sweep_nests_child_runs_under_one_parent(
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_sweeps_load_and_pin_the_layout_they_were_measured_on(path: Path) -> None:
-    """Every trial of every shipped study validates, and the study tables' layout (2 workers unless the
-    trial sets its own) does not follow the quickstart's."""
+    """Every trial of every shipped study validates, and every study names its own layout (Ray workers,
+    threads, CPUs, loader processes), so its README table does not drift when the quickstart's changes."""
     sweep = load_sweep(path)
     trials = list(sweep.trials)
     assert trials, path
-    for trial in trials:
-        assert trial.config.data.loader_workers == 0, trial.label
-        if trial.config.scaling.num_workers == 2:
-            assert trial.config.scaling.torch_threads == 1, trial.label
-    assert any(t.config.scaling.num_workers == 2 for t in trials), path
+    spec = yaml.safe_load(path.read_text())
+    overrides = spec["overrides"]
+    assert "data.loader_workers" in overrides, path
+    if "scaling" in overrides:
+        layouts = [overrides["scaling"]] * len(trials)
+    else:  # a study of layouts pins one in each variant
+        layouts = [variant["overrides"]["scaling"] for variant in spec["variants"]]
+    for pinned, trial in zip(layouts, trials, strict=True):
+        assert set(pinned) >= {"num_workers", "torch_threads", "cpus_per_worker"}, trial.label
+        scaling = trial.config.scaling
+        assert (scaling.num_workers, scaling.torch_threads, scaling.cpus_per_worker) == (
+            pinned["num_workers"],
+            pinned["torch_threads"],
+            pinned["cpus_per_worker"],
+        ), trial.label
+        assert trial.config.data.loader_workers == overrides["data.loader_workers"], trial.label
