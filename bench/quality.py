@@ -1,12 +1,12 @@
 """Training quality on held-out classes, through the real service: the README's study (issue 11 §2).
 
-    python bench/quality.py [--quick] [--only losses,batch,workers,bn] [--out quality.md]
+    python bench/quality.py [--quick] [--only losses,batch,batch_full,workers,bn] [--out quality.md]
 
 Each study is a sweep file in configs/sweeps/ run by `dmltrain sweep` (Ray Tune, one trial at a time on a
 2-core machine; each trial is a full `python -m dmltrain.run` launch of the bundled glyphs, 789 train
 classes, evaluated on the 788 held-out classes). Results are MLflow runs: one parent run per study with a
 nested child run per trial (curves, plots, models) and the summary table and comparison plots on the
-parent. This script runs the four sweeps and prints the tables the README shows:
+parent. This script runs the sweeps (by default all but batch_full) and prints the tables the README shows:
 
 - losses: every loss against the untrained network (step 0 of every trial: the same seeded weights) and
   raw pixels (quality_losses.yaml);
