@@ -34,7 +34,7 @@ from dmltrain.index import (
     save_index,
 )
 from dmltrain.inference import embed_batch, embed_images, image_tensor
-from dmltrain.service.best import BestTracker, resolve_best_metric
+from dmltrain.service.best import BestTracker, resolve_best_metric, worst_score
 from dmltrain.service.builders import build_network, build_test_transform
 from dmltrain.service.cli import main as cli
 from dmltrain.service.config import load_config
@@ -314,3 +314,23 @@ def test_best_tracker_patience_and_state() -> None:
     assert resolve_best_metric("eval/large/map@r", ["small", "large"], (1, 5)) == "eval/large/map@r"
     with pytest.raises(ValueError, match="train.best_metric='eval/test/recall@3'"):
         resolve_best_metric("eval/test/recall@3", ["test"], (1, 2))
+
+
+def test_checkpoint_scores_rank_checkpoints_as_the_tracker_does() -> None:
+    """Ray keeps and publishes the checkpoint with the best checkpoint_score. A later evaluation that beats
+    the best by less than min_delta is not the tracker's best, so its score must not outrank the best's."""
+    key = "eval/test/recall@1"
+    tracker = BestTracker(key, "max", min_delta=0.01)
+    scores = {}
+    for step, value in [(100, 0.60), (200, 0.70), (300, 0.705), (400, 0.65), (500, 0.72)]:
+        tracker.update({key: value}, step)
+        scores[step] = tracker.checkpoint_score({key: value}, step)
+    assert scores[100] == 0.60 and scores[200] == 0.70 and scores[500] == 0.72  # each the best when reached
+    assert scores[300] < 0.70 < 0.705 and scores[400] == 0.65  # higher by < min_delta: ranked below the best
+    assert max(scores, key=scores.__getitem__) == tracker.step == 500
+    assert max((s for s in scores if s < 500), key=scores.__getitem__) == 200  # Ray's pick before step 500
+    assert tracker.checkpoint_score({}, 600) == worst_score("max")  # not evaluated: ranks last
+    low = BestTracker("eval/test/map@r", "min", min_delta=0.01)
+    low.update({"eval/test/map@r": 0.30}, 1)
+    low.update({"eval/test/map@r": 0.295}, 2)
+    assert low.checkpoint_score({"eval/test/map@r": 0.295}, 2) > 0.30  # lower by < min_delta: not better

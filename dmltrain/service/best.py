@@ -1,8 +1,10 @@
 """The best evaluation so far: which checkpoint Ray keeps as best, and when training stops early.
 
 Every checkpoint reported to Ray carries ``checkpoint_score``: the chosen metric where the checkpoint was
-evaluated, else the worst possible value, so Ray's ``CheckpointConfig(checkpoint_score_attribute=...)`` ranks
-only evaluated weights and an unevaluated checkpoint is dropped as soon as it is no longer the latest. The
+evaluated (capped just below the best so far unless it beat it by ``train.early_stopping_min_delta``), else
+the worst possible value, so Ray's ``CheckpointConfig(checkpoint_score_attribute=...)`` ranks only evaluated
+weights, ranks them as the tracker does, and drops an unevaluated checkpoint as soon as it is no longer the
+latest. The
 tracker's state is checkpointed, so patience survives a restart.
 """
 
@@ -78,6 +80,21 @@ class BestTracker:
         else:
             self.stale += 1
         return better
+
+    def checkpoint_score(self, metrics: dict[str, float], step: int) -> float:
+        """``checkpoint_score`` for the checkpoint of `step`, after :meth:`update`, so that Ray ranks
+        checkpoints as this tracker does: the metric where `step` is the best; just below the best where
+        `step` was evaluated but did not beat it by ``min_delta`` (its metric may be higher: Ray would then
+        keep and publish it as the best and could delete the best step's checkpoint); the worst score where
+        `step` was not evaluated."""
+        if self.metric not in metrics:
+            return worst_score(self.mode)
+        value = float(metrics[self.metric])
+        if self.score is None or step == self.step:
+            return value
+        if self.mode == "max":
+            return min(value, math.nextafter(self.score, -math.inf))
+        return max(value, math.nextafter(self.score, math.inf))
 
     @property
     def should_stop(self) -> bool:

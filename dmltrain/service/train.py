@@ -34,7 +34,7 @@ from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
 from dmltrain.distributed import all_gather_objects, broadcast_object
 from dmltrain.engine import global_batch_step
 from dmltrain.models import EmbeddingNet
-from dmltrain.service.best import SCORE_KEY, BestTracker, resolve_best_metric, worst_score
+from dmltrain.service.best import SCORE_KEY, BestTracker, resolve_best_metric
 from dmltrain.service.builders import (
     build_loss,
     build_network,
@@ -334,14 +334,15 @@ class WorkerLoop:
         """Every rank reports (a barrier in Ray Train); rank 0 writes the whole state, including every
         rank's stream position, so the Ray checkpoint and its MLflow copy are both complete.
 
-        The report carries ``checkpoint_score`` (the best metric if this step was evaluated, else the worst
-        value) for Ray's best-checkpoint bookkeeping. With asynchronous upload Ray copies the directory to
+        The report carries ``checkpoint_score`` (`BestTracker.checkpoint_score`: the best metric if this
+        step was evaluated, never above the best so far unless it is the new best; else the worst value) for
+        Ray's best-checkpoint bookkeeping. With asynchronous upload Ray copies the directory to
         storage in the background and then deletes it, so MLflow's optional copy is taken first."""
         streams = all_gather_objects(self._stream_state())
         upload = self.config.run.checkpoint_upload
         report = {"step": self.step, **metrics}
         if self.best is not None:
-            report[SCORE_KEY] = float(metrics.get(self.best.metric, worst_score(self.best.mode)))
+            report[SCORE_KEY] = self.best.checkpoint_score(metrics, self.step)  # ranked as dmltrain ranks
         if self.rank != 0:
             self.ray.report(report, None, upload)
             return
