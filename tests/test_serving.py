@@ -136,6 +136,30 @@ def test_pyfunc_round_trip_in_a_fresh_process(served: Served, tmp_path: Path) ->
     assert len(arrays) == 6
 
 
+def test_model_downloads_are_removed_when_the_process_exits(served: Served, tmp_path: Path) -> None:
+    """Loading a runs:/ or models:/ model downloads its weights; nothing of them stays in the temp dir
+    after the process (a CLI call, a server) exits."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = textwrap.dedent(
+        f"""
+        from dmltrain.service.serving.loading import locate
+        for ref in ("runs:/{served.run_id}/model", "runs:/{served.run_id}/model"):
+            weights, run_id = locate(ref, {served.tracking_uri!r})
+            assert weights.is_file() and run_id == {served.run_id!r}, (weights, run_id)
+        print(sorted(p.name for p in __import__("pathlib").Path({str(tmp)!r}).iterdir()))
+        """
+    )
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "TMPDIR": str(tmp)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    during = proc.stdout.strip().splitlines()[-1]
+    assert during.count("dmltrain-model-") == 2, during  # one download folder per load while it ran
+    assert sorted(p.name for p in tmp.iterdir()) == []  # and none left after exit
+
+
 def test_registry_holds_the_runs_model(served: Served) -> None:
     client = MlflowClient(served.tracking_uri)
     version = client.get_model_version(REGISTERED, "1")

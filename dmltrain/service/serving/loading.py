@@ -5,6 +5,9 @@ directory, ``runs:/<run_id>/<name>`` or ``models:/<name>/<version|@alias>`` (reg
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,8 +72,28 @@ def _run_id_of(directory: Path) -> str | None:
     return Model.load(str(directory / MLMODEL)).run_id
 
 
+_DOWNLOADS: list[str] = []
+
+
+def _remove_downloads() -> None:
+    for directory in _DOWNLOADS:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _download_dir() -> str:
+    """A folder for one model download, removed when the process exits. MLflow's default download folder
+    is never removed, so every `dmltrain evaluate/index/serve` (and every test) left a copy of the
+    model's weights in the temp dir."""
+    directory = tempfile.mkdtemp(prefix="dmltrain-model-")
+    if not _DOWNLOADS:
+        atexit.register(_remove_downloads)
+    _DOWNLOADS.append(directory)
+    return directory
+
+
 def locate(ref: str, tracking_uri: str | None = None) -> tuple[Path, str | None]:
-    """``(weights file, run id)`` of a model reference; MLflow models are downloaded to a local cache."""
+    """``(weights file, run id)`` of a model reference; MLflow models are downloaded to a temporary folder
+    that lives as long as this process."""
     if is_mlflow_uri(ref):
         import mlflow
         from mlflow.exceptions import MlflowException
@@ -82,7 +105,11 @@ def locate(ref: str, tracking_uri: str | None = None) -> tuple[Path, str | None]
         try:
             # The logged-model lookup behind runs:/ reads the process-wide URI, not the argument.
             with tracking_uri_block(uri):
-                local = Path(mlflow.artifacts.download_artifacts(artifact_uri=ref, tracking_uri=uri))
+                local = Path(
+                    mlflow.artifacts.download_artifacts(
+                        artifact_uri=ref, tracking_uri=uri, dst_path=_download_dir()
+                    )
+                )
         except MlflowException as exc:
             raise FileNotFoundError(
                 f"{ref}: not found in the MLflow store at {uri} ({exc.message})"
