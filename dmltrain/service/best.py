@@ -4,8 +4,7 @@ Every checkpoint reported to Ray carries ``checkpoint_score``: the chosen metric
 evaluated (capped just below the best so far unless it beat it by ``train.early_stopping_min_delta``), else
 the worst possible value, so Ray's ``CheckpointConfig(checkpoint_score_attribute=...)`` ranks only evaluated
 weights, ranks them as the tracker does, and drops an unevaluated checkpoint as soon as it is no longer the
-latest. The
-tracker's state is checkpointed, so patience survives a restart.
+latest. The tracker's state is checkpointed, so patience survives a restart.
 """
 
 from __future__ import annotations
