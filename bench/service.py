@@ -534,7 +534,7 @@ def main() -> None:
             return groups["1x2"].run(part1_baseline, plan["bracket"])["seconds"]
 
         def best_block() -> float:
-            """The brackets' earlier statistic, kept for comparison: the best of four 5-step blocks."""
+            """The brackets' earlier statistic, kept for comparison: the best of four short blocks."""
             return min(groups["1x2"].run(part1_baseline, plan["steps"])["seconds"] for _ in range(4))
 
         # ------------------------------------------------------------ part 2
@@ -629,9 +629,9 @@ def main() -> None:
             best_ips = batch / best_blocks[layout]
             print(
                 f"  bare loop around the {layout} run: {batch / before:.0f} img/s before, "
-                f"{batch / after:.0f} after ({plan['bracket']}-step runs); the best 5-step block around it "
-                f"{best_ips:.0f} img/s, against which the service's steady state is "
-                f"{service[layout]['steady_ips'] / best_ips:.2f}x"
+                f"{batch / after:.0f} after ({plan['bracket']}-step runs); the best "
+                f"{plan['steps']}-step block around it {best_ips:.0f} img/s, against which the service's "
+                f"steady state is {service[layout]['steady_ips'] / best_ips:.2f}x"
             )
         if ray_only is not None:
             plain_before, in_ray, plain_after = ray_only
