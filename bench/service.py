@@ -12,14 +12,17 @@ built once in its group and fed the same decoded batches (real glyph shards thro
 decoded once up front); the groups take turns, variant by variant, in rounds (the order rotates every
 round), so load changes hit all variants alike. A block is S steps between two barriers; a variant's figure
 is the median over rounds of its seconds per step. Every process gets the OpenMP wait policy that Ray gives
-the service's workers (scaling.omp_wait_policy).
+the service's workers (scaling.omp_wait_policy) and runs at the benchmark's niceness, as the service's workers
+do (scaling.worker_niceness=0 adds nothing to it); "+ data" loaders run under the config's loader priority
+(data.loader_priority: auto = SCHED_IDLE for CPU training).
   bare loop           model(normalize(x)) -> loss -> backward -> Adam(fused=True) on the global batch, with
                       2 threads and with 1: the faster is the baseline (on a loaded machine a 2-thread
                       step waits for its slower thread); also with torch's default Adam, for reference
   bare, no sync       each of 2 processes the same on its half batch, no communication: the layout alone
   bare DDP            the same under DistributedDataParallel (local loss, gradient all-reduce over gloo)
   service step        the real WorkerLoop._train_step (engine: exact global-batch loss and gradient, DDP as
-                      Ray wraps it, update, schedule) on replayed batches; "+ data" with its live TrainLoader
+                      Ray wraps it, update, schedule) on replayed batches; "+ data" with its live TrainLoader,
+                      and (1x2) once more with the loader at normal priority
 Part 2, the real service: `python -m dmltrain.run CONFIG` with the same settings (Ray workers, MLflow in a
 sqlite store under the work dir, evaluation and checkpoints on the config's cadence), per layout. Read
 back from MLflow: train/images_per_second (steady state: every log window after the first), the loop's
@@ -74,7 +77,7 @@ LAYOUTS = {  # Ray workers x torch threads on the 2 cores, and the overrides tha
     "1x2": {"workers": 1, "threads": 2},
 }
 GROUP_VARIANTS = {
-    "1x2": ["bare", "bare_1thread", "bare_default_adam", "service", "service_data"],
+    "1x2": ["bare", "bare_1thread", "bare_default_adam", "service", "service_data", "service_data_normal"],
     "2x1": ["bare_nosync", "bare_ddp", "service", "service_data"],
 }
 LABELS = {
@@ -85,6 +88,7 @@ LABELS = {
     "bare_ddp": "bare DDP loop (local loss)",
     "service": "service step, replayed batches",
     "service_data": "service step + live data",
+    "service_data_normal": "service step + live data, normal loader",
 }
 VARIANT_THREADS = {"bare_1thread": 1}  # torch threads for a block of this variant (else the group's)
 BASELINES = ("bare", "bare_1thread")  # the baseline is the faster single-process bare loop
@@ -223,6 +227,16 @@ def _group_worker(rank: int, world: int, port: int, conn: Connection, spec: dict
             "service_data": lambda: _service_step(
                 config, local, True, rank, world, spec["run_id"], spec["uri"]
             ),
+            # what data.loader_priority=idle saves: the same, its loader competing like any process
+            "service_data_normal": lambda: _service_step(
+                load_config(spec["config"], [*spec["overrides"], "data.loader_priority=normal"]),
+                local,
+                True,
+                rank,
+                world,
+                spec["run_id"],
+                spec["uri"],
+            ),
         }
         steps = {name: builders[name]() for name in spec["variants"]}
         torch.set_num_threads(threads)  # the worker loop sets it from the config too; same value
@@ -336,13 +350,17 @@ def bare_in_ray_worker(spec: dict[str, Any], workdir: Path, env: dict[str, str])
     out = workdir / f"bare-in-ray-{os.getpid()}.json"
     out.unlink(missing_ok=True)
     spec = {**spec, "out": str(out)}
-    ray.init(runtime_env={"env_vars": env}, log_to_driver=False)
+    ray.init(log_to_driver=False)
     try:
         trainer = TorchTrainer(
             _bare_in_ray_train,
             train_loop_config=spec,
             scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": spec["threads"]}),
-            run_config=RunConfig(storage_path=str(workdir / "ray_results"), name=f"bare-{int(time.time())}"),
+            run_config=RunConfig(
+                storage_path=str(workdir / "ray_results"),
+                name=f"bare-{int(time.time())}",
+                worker_runtime_env={"env_vars": env},  # as the service gives it (dmltrain.service.run)
+            ),
         )
         trainer.fit()
         return float(json.loads(out.read_text()))
@@ -487,7 +505,8 @@ def main() -> None:
         f"{config.data.image_size} px, {config.loss.name}, {config.optim.name}, global batch {batch}, "
         f"loader_workers {config.data.loader_workers}, freeze_bn {config.model.freeze_bn}; work dir {workdir}"
     )
-    print(f"OpenMP wait policy (bare loops and service alike): {worker_env_vars(config) or 'inherited'}")
+    worker_env = worker_env_vars(config)
+    print(f"worker environment (bare loops and service alike): {worker_env or 'inherited'}")
     quickstart_layout = f"{config.scaling.num_workers}x{config.scaling.torch_threads or 1}"
 
     # ---------------------------------------------------------------- part 1
@@ -496,7 +515,9 @@ def main() -> None:
     results: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
     group_variants = {"1x2": list(BASELINES)} if args.skip_steps else GROUP_VARIANTS
     # The bare loops and the service steps run under the OpenMP settings Ray gives the service's workers.
-    os.environ.update(worker_env_vars(config))
+    # Only OpenMP's: RAY_worker_niceness in this environment would reach every Ray process of part 2 through
+    # the driver, where the service gives it to its training workers alone.
+    os.environ.update({key: value for key, value in worker_env.items() if key.startswith("OMP_")})
     jobs = [(layout, v) for layout, variants in group_variants.items() for v in variants]
     try:
         for layout, variants in group_variants.items():
@@ -569,7 +590,7 @@ def main() -> None:
                 "steps": plan["bracket"],
             }
             plain_before = bare_run()
-            in_ray = bare_in_ray_worker(ray_spec, workdir, worker_env_vars(config))
+            in_ray = bare_in_ray_worker(ray_spec, workdir, worker_env)
             ray_only = (plain_before, in_ray, bare_run())
     finally:
         for g in groups.values():

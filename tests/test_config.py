@@ -94,8 +94,14 @@ def test_worker_environment_keys(tmp_path: Path) -> None:
     from dmltrain.service.run import worker_env_vars
 
     path = CONFIGS[0].parent / "quickstart.yaml"
-    assert worker_env_vars(load_config(path)) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert worker_env_vars(load_config(path, ["scaling.omp_wait_policy=null"])) == {}
+    assert worker_env_vars(load_config(path)) == {"OMP_WAIT_POLICY": "PASSIVE", "RAY_worker_niceness": "0"}
+    inherited = ["scaling.omp_wait_policy=null", "scaling.worker_niceness=null"]
+    assert worker_env_vars(load_config(path, inherited)) == {}
+    assert worker_env_vars(load_config(path, ["scaling.worker_niceness=5"]))["RAY_worker_niceness"] == "5"
+    with pytest.raises(ConfigError, match=r"scaling\.worker_niceness"):
+        load_config(path, ["scaling.worker_niceness=-5"])
+    with pytest.raises(ConfigError, match=r"data\.loader_priority"):
+        load_config(path, ["data.loader_priority=low"])
     with pytest.raises(ConfigError, match=r"scaling\.omp_wait_policy"):
         load_config(path, ["scaling.omp_wait_policy=spin"])
 

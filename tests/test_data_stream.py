@@ -4,6 +4,7 @@ FastAP category pairs across ranks, exact resume, eval coverage."""
 from __future__ import annotations
 
 import csv
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -165,6 +166,36 @@ def test_resume_continues_the_stream_exactly(shards: Path, tmp_path: Path, name:
     assert all(torch.equal(a[0], b[0]) for a, b in zip(got, expected, strict=True))
     fresh = loader(shards, name, workers=workers, batch=batch)
     assert [b[3] for b in run(fresh, 6)] != [b[3] for b in got]  # it did not restart from the beginning
+
+
+def _child_processes() -> set[int]:
+    mine = str(os.getpid())
+    children = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # exited meanwhile
+                continue
+            if fields[1] == mine:
+                children.add(int(entry.name))
+    return children
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+def test_idle_priority_loader_workers_yield_the_cpu_and_give_the_same_batches(shards: Path) -> None:
+    before = _child_processes()
+    idle = loader(shards, "pk", workers=2, worker_priority="idle")
+    got = run(idle, 3)
+    workers = _child_processes() - before
+    assert len(workers) == 2
+    assert {os.sched_getscheduler(pid) for pid in workers} == {os.SCHED_IDLE}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller keeps its own policy
+    expected = run(loader(shards, "pk", workers=2), 3)
+    assert [b[3] for b in got] == [b[3] for b in expected]
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(got, expected, strict=True))
+    with pytest.raises(ValueError, match="worker_priority"):
+        loader(shards, "pk", worker_priority="low")
 
 
 def test_resume_needs_the_same_layout(shards: Path) -> None:

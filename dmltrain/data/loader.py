@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -46,6 +48,12 @@ from dmltrain.data.transforms import (
     train_transform,
     treats_channels_alike,
 )
+
+log = logging.getLogger(__name__)
+
+# normal: loader processes compete for the CPU like any process; idle: they run on cycles nothing else wants
+# (Linux SCHED_IDLE, see `run_when_idle`).
+WorkerPriority = Literal["normal", "idle"]
 
 # 2: every worker fills a part of every step (1: each worker built whole batches of every W-th step), and
 # shards go to ranks first, then to a rank's workers.
@@ -72,6 +80,21 @@ def collate(samples: list[Sample], transform: Transform) -> tuple[torch.Tensor, 
     labels = torch.tensor([s.cls for s in samples], dtype=torch.int64)
     categories = torch.tensor([s.category for s in samples], dtype=torch.int64)
     return batch, labels, categories
+
+
+def run_when_idle(_worker_id: int = 0) -> None:
+    """Put this process under SCHED_IDLE (DataLoader ``worker_init_fn``).
+
+    Why: when the training step runs on the same cores (CPU training), a loader process that takes a core
+    stalls the step's other intra-op threads at their next barrier, so it costs the step about twice its own
+    CPU time. Under SCHED_IDLE it runs only where a core is idle, and any waking training thread preempts it
+    at once; when the step waits for data its cores go idle, so the loader cannot starve.
+    bench/service.py part 1 measures it. No-op (one debug line) where the OS has no SCHED_IDLE.
+    """
+    if not hasattr(os, "SCHED_IDLE"):
+        log.debug("no SCHED_IDLE on this platform: loader workers keep their priority")
+        return
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
 def _where(sample: Sample) -> str:
@@ -250,6 +273,8 @@ class TrainLoader:
     returned there) or "auto" (gpu where `device` is CUDA and torchvision decodes JPEGs on it, else cpu).
     Both give the same crops for a seed, and the same loader state. `decode_batch` images are decoded
     per device call (it bounds the memory full-size decoded images take on the device).
+    worker_priority="idle" runs the loader processes under SCHED_IDLE (`run_when_idle`): for CPU training,
+    where they share the step's cores. The batches are the same either way.
     """
 
     def __init__(
@@ -274,6 +299,7 @@ class TrainLoader:
         decode: DecodeMode = "cpu",
         device: torch.device | str | None = None,
         decode_batch: int = 512,
+        worker_priority: WorkerPriority = "normal",
     ) -> None:
         self.spec = sampler if isinstance(sampler, SamplerSpec) else SamplerSpec.from_config(sampler or {})
         if batch_size < 2:
@@ -299,6 +325,9 @@ class TrainLoader:
         self.with_keys = with_keys
         self.prefetch_factor = prefetch_factor
         self.multiprocessing_context = multiprocessing_context
+        if worker_priority not in ("normal", "idle"):
+            raise ValueError(f"worker_priority must be 'normal' or 'idle', got {worker_priority!r}")
+        self.worker_priority = worker_priority
         self.plan = TrainPlan(
             self.info, split, self.spec, batch_size, self.world_size, self.workers, where=self.root
         )
@@ -361,6 +390,7 @@ class TrainLoader:
             extra = {
                 "prefetch_factor": self.prefetch_factor,
                 "multiprocessing_context": self.multiprocessing_context,
+                "worker_init_fn": run_when_idle if self.worker_priority == "idle" else None,
             }
         return DataLoader(dataset, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is, **extra)
 

@@ -59,6 +59,13 @@ class DataConfig(_Section):
         "another class: glyphs (b/d, acute/grave accents).",
     )
     loader_workers: int = Field(default=2, ge=0, description="DataLoader processes per Ray worker.")
+    loader_priority: Literal["auto", "idle", "normal"] = Field(
+        default="auto",
+        description="CPU priority of the training loader processes: idle = Linux SCHED_IDLE, they use only "
+        "cycles the training step leaves idle (on shared cores a loader that takes a core stalls the step's "
+        "other threads: bench/service.py); normal = like any process; auto = idle on CPU workers, normal on "
+        "GPU workers.",
+    )
     decode: Literal["auto", "cpu", "gpu"] = Field(
         default="auto",
         description="Where training images are decoded and augmented: cpu = PIL in the loader workers; gpu = "
@@ -285,6 +292,15 @@ class ScalingConfigSection(_Section):
         description="OMP_WAIT_POLICY of the workers: passive threads sleep between parallel regions instead "
         "of spinning, which keeps multi-threaded steps fast when loader processes or other jobs share the "
         "cores (bench/service.py); None = inherit the environment.",
+    )
+    worker_niceness: int | None = Field(
+        default=0,
+        ge=0,
+        le=19,
+        description="Niceness of the training workers (RAY_worker_niceness in their runtime env). Ray starts "
+        "workers at 15 so its daemons win the CPU; at 15 the step's threads no longer preempt the SCHED_IDLE "
+        "loader processes (data.loader_priority) and the loader's gain is lost (bench/service.py, part 1). "
+        "0 is what Ray's own job supervisor uses; None = Ray's default.",
     )
     topology: Literal["auto", "single-node", "multi-node"] = Field(
         default="auto",

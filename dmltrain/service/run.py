@@ -99,10 +99,13 @@ def resolve_paths(config: ExperimentConfig, base: Path | None = None) -> Experim
 
 def worker_env_vars(config: ExperimentConfig) -> dict[str, str]:
     """Environment the training workers start with. OpenMP reads OMP_WAIT_POLICY once, when torch loads,
-    so it has to be in the worker's environment from the start (Ray's worker runtime env)."""
+    and Ray's core worker applies RAY_worker_niceness once, when it starts, so both have to be in the
+    worker's environment from the start (Ray's worker runtime env)."""
     env = {}
     if config.scaling.omp_wait_policy is not None:
         env["OMP_WAIT_POLICY"] = config.scaling.omp_wait_policy.upper()
+    if config.scaling.worker_niceness is not None:
+        env["RAY_worker_niceness"] = str(config.scaling.worker_niceness)
     return env
 
 

@@ -31,6 +31,7 @@ from dmltrain.acceleration import (
     resolve_precision,
 )
 from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
+from dmltrain.data.loader import WorkerPriority
 from dmltrain.distributed import all_gather_objects, broadcast_object
 from dmltrain.engine import global_batch_step
 from dmltrain.models import EmbeddingNet
@@ -193,6 +194,14 @@ def _decode_mode(setting: str, device: torch.device) -> str:
     return setting
 
 
+def _loader_priority(setting: str, device: torch.device) -> WorkerPriority:
+    """``data.loader_priority`` for this worker: auto lowers the loaders only where they share the step's
+    cores (CPU training); a GPU worker's step leaves its cores free, and its loaders set the pace."""
+    if setting == "auto":
+        return "idle" if device.type == "cpu" else "normal"
+    return "idle" if setting == "idle" else "normal"  # the config allows only auto, idle, normal
+
+
 def _grad_norm(parameters: list[nn.Parameter], clip: float | None) -> float:
     """Global gradient norm (clipping to ``clip`` if set); inf/NaN when a gradient is not finite."""
     grads = [p for p in parameters if p.grad is not None]
@@ -246,8 +255,14 @@ class WorkerLoop:
             info=self.info,
             decode=_decode_mode(config.data.decode, self.device),
             device=self.device,
+            worker_priority=_loader_priority(config.data.loader_priority, self.device),
         )
-        log.info("rank %d: training images decoded on %s", self.rank, self.stream.decode_device or "the CPU")
+        log.info(
+            "rank %d: training images decoded on %s, loader priority %s",
+            self.rank,
+            self.stream.decode_device or "the CPU",
+            self.stream.worker_priority,
+        )
         # On CUDA the next batch is read and pinned while the step runs (asynchronous chunk copies), unless
         # the loader already decodes it on the device one step ahead (data.decode=gpu with loader workers).
         ahead = self.stream.decode == "gpu" and config.data.loader_workers > 0
@@ -533,6 +548,8 @@ class WorkerLoop:
             # what the workers actually run with (Ray and the environment can differ)
             "dmltrain.torch_threads": str(torch.get_num_threads()),
             "dmltrain.omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+            "dmltrain.worker_niceness": str(os.nice(0)),
+            "dmltrain.loader_priority": self.stream.worker_priority,
         }
         for key, value in tags.items():
             self.logger.set_tag(key, value)
