@@ -8,7 +8,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from dmltrain.service.tracking import RunLogger
+from dmltrain.service.tracking import RunLogger, Segment, artifact_location, create_run
 
 
 def _run(tmp_path: Path) -> tuple[str, str]:
@@ -44,3 +44,28 @@ def test_a_failed_background_write_is_raised_not_dropped(tmp_path: Path) -> None
     with pytest.raises(MlflowException):
         logger.flush()
     logger.close()
+
+
+def test_artifacts_of_a_sqlite_store_stay_beside_it_whatever_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    store.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # MLflow's default would put the artifacts in ./mlruns here
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    segment = Segment(1, 0, "auto", {}, {"train": {"steps": 1}})
+    run_id = create_run(uri, "my experiment/1", "store/run", "run", {"train.steps": "1"}, segment)
+    logger = RunLogger(uri, run_id)
+    note = tmp_path / "hello.txt"
+    note.write_text("hello")
+    logger.log_file(note, "notes")
+    logger.close()
+    assert list(elsewhere.iterdir()) == []
+    saved = store / "mlruns" / "my_experiment_1" / run_id / "artifacts"
+    assert (saved / "notes" / "hello.txt").read_text() == "hello"
+    assert (saved / "config.yaml").is_file()
+    # An existing experiment keeps where it was created; a server or file store decides for itself.
+    assert create_run(uri, "my experiment/1", "store/run2", "run2", {}, segment)
+    assert artifact_location("http://127.0.0.1:5000", "x") is None
+    assert artifact_location("sqlite:///:memory:", "x") is None

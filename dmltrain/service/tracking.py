@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -100,11 +101,34 @@ class Segment:
         return f"{self.number}@{self.start_step}" + (f" ({changes})" if changes else "")
 
 
-def _experiment_id(client: MlflowClient, experiment: str, create: bool) -> str | None:
+def artifact_location(tracking_uri: str, experiment: str) -> str | None:
+    """Where a new experiment keeps its artifacts when the store is a sqlite file: beside the database, in
+    ``mlruns/<experiment>``. MLflow's own default is ``./mlruns`` of whichever directory the creating process
+    runs in, which scatters checkpoints and models (a benchmark launched from the repository with its store
+    elsewhere left 2.2 GB there). None: the store or server decides (a file store keeps artifacts inside
+    itself, a server has its own artifact root)."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    database = tracking_uri[len("sqlite:///") :].split("?", 1)[0]
+    if not database or database == ":memory:":
+        return None
+    folder = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("._") or "experiment"
+    return str(Path(database).resolve().parent / "mlruns" / folder)
+
+
+def ensure_experiment(client: MlflowClient, tracking_uri: str, experiment: str) -> str:
+    """The id of ``experiment``, created (artifacts per `artifact_location`) if it does not exist yet."""
     found = client.get_experiment_by_name(experiment)
     if found is not None:
-        return found.experiment_id
-    return client.create_experiment(experiment) if create else None
+        return str(found.experiment_id)
+    return client.create_experiment(experiment, artifact_location=artifact_location(tracking_uri, experiment))
+
+
+def _experiment_id(client: MlflowClient, experiment: str, create: bool) -> str | None:
+    if create:
+        return ensure_experiment(client, client.tracking_uri, experiment)
+    found = client.get_experiment_by_name(experiment)
+    return None if found is None else str(found.experiment_id)
 
 
 def find_run(tracking_uri: str, experiment: str, key: str) -> ExistingRun | None:

@@ -33,7 +33,7 @@ from dmltrain.service.run import check_cluster, connect_ray, resolve_paths
 from dmltrain.service.sweeps.spec import Sweep, Trial
 from dmltrain.service.sweeps.summary import TrialResult, collect, log_summary, order, summary_markdown
 from dmltrain.service.sweeps.trial import BASELINE_TAG, SWEEP_KEY_TAG, SWEEP_TAG, child_tags, run_trial
-from dmltrain.service.tracking import RunLogger, resolve_tracking_uri, set_run_status
+from dmltrain.service.tracking import RunLogger, ensure_experiment, resolve_tracking_uri, set_run_status
 
 log = logging.getLogger("dmltrain.service.sweeps")
 
@@ -103,8 +103,7 @@ def _parent_run(sweep: Sweep, trials: Sequence[Trial], tracking_uri: str, key: s
 
     client = MlflowClient(tracking_uri)
     experiment = trials[0].config.mlflow.experiment
-    found = client.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+    experiment_id = ensure_experiment(client, tracking_uri, experiment)
     quoted = key.replace("'", "\\'")
     existing = client.search_runs(
         [experiment_id], filter_string=f"tags.`{SWEEP_KEY_TAG}` = '{quoted}'", max_results=1
