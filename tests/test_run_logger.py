@@ -8,13 +8,13 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from dmltrain.service.tracking import RunLogger, Segment, artifact_location, create_run
+from dmltrain.service.tracking import RunLogger, Segment, artifact_location, create_run, ensure_experiment
 
 
 def _run(tmp_path: Path) -> tuple[str, str]:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
-    experiment = client.create_experiment("logger")
+    experiment = ensure_experiment(client, uri, "logger")  # artifacts beside the store
     return uri, client.create_run(experiment).info.run_id
 
 

@@ -41,6 +41,7 @@ from dmltrain.service.config import load_config
 from dmltrain.service.serving.publish import register
 from dmltrain.service.serving.pyfunc import log_embedding_model
 from dmltrain.service.serving.weights import save_weights
+from dmltrain.service.tracking import ensure_experiment
 
 REPO = Path(__file__).parents[1]
 REGISTERED = "glyph-embedder"
@@ -68,7 +69,7 @@ def served(glyphs_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Serve
     net = build_network(config).eval()
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     client = MlflowClient(uri)
-    run = client.create_run(client.create_experiment("serving"))
+    run = client.create_run(ensure_experiment(client, uri, "serving"))  # artifacts beside the store
     weights = save_weights(tmp / "model.pt", net.state_dict(), config.model_dump(mode="json"), step=3)
     log_embedding_model(uri, run.info.run_id, "model", weights, step=3)
     assert register(uri, run.info.run_id, REGISTERED) == f"models:/{REGISTERED}/1"
