@@ -12,9 +12,9 @@ built once in its group and fed the same decoded batches (real glyph shards thro
 decoded once up front); the groups take turns, variant by variant, in rounds (the order rotates every
 round), so load changes hit all variants alike. A block is S steps between two barriers; a variant's figure
 is the median over rounds of its seconds per step. Every process gets the OpenMP wait policy that Ray gives
-the service's workers (scaling.omp_wait_policy) and runs at the benchmark's niceness, as the service's workers
-do (scaling.worker_niceness=0 adds nothing to it); "+ data" loaders run under the config's loader priority
-(data.loader_priority: auto = SCHED_IDLE for CPU training).
+the service's workers (scaling.omp_wait_policy) and runs at the benchmark's niceness, as the service's
+workers do (scaling.worker_niceness: auto = 0 on one CPU node adds nothing to it); "+ data" loaders run
+under the config's loader priority (data.loader_priority: auto = SCHED_IDLE for CPU training).
   bare loop           model(normalize(x)) -> loss -> backward -> Adam(fused=True) on the global batch, with
                       2 threads and with 1: the faster is the baseline (on a loaded machine a 2-thread
                       step waits for its slower thread); also with torch's default Adam, for reference

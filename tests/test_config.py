@@ -98,6 +98,11 @@ def test_worker_environment_keys(tmp_path: Path) -> None:
     inherited = ["scaling.omp_wait_policy=null", "scaling.worker_niceness=null"]
     assert worker_env_vars(load_config(path, inherited)) == {}
     assert worker_env_vars(load_config(path, ["scaling.worker_niceness=5"]))["RAY_worker_niceness"] == "5"
+    # auto: 0 only for CPU training on one node; Ray's default (unset) on GPU workers and across nodes
+    assert "RAY_worker_niceness" not in worker_env_vars(load_config(path), multi_node=True)
+    assert "RAY_worker_niceness" not in worker_env_vars(load_config(path), use_gpu=True)
+    explicit = load_config(path, ["scaling.worker_niceness=0"])
+    assert worker_env_vars(explicit, multi_node=True, use_gpu=True)["RAY_worker_niceness"] == "0"
     with pytest.raises(ConfigError, match=r"scaling\.worker_niceness"):
         load_config(path, ["scaling.worker_niceness=-5"])
     with pytest.raises(ConfigError, match=r"data\.loader_priority"):

@@ -293,14 +293,14 @@ class ScalingConfigSection(_Section):
         "of spinning, which keeps multi-threaded steps fast when loader processes or other jobs share the "
         "cores (bench/service.py); None = inherit the environment.",
     )
-    worker_niceness: int | None = Field(
-        default=0,
-        ge=0,
-        le=19,
+    worker_niceness: Literal["auto"] | Annotated[int, Field(ge=0, le=19)] | None = Field(
+        default="auto",
         description="Niceness of the training workers (RAY_worker_niceness in their runtime env). Ray starts "
         "workers at 15 so its daemons win the CPU; at 15 the step's threads no longer preempt the SCHED_IDLE "
         "loader processes (data.loader_priority) and the loader's gain is lost (bench/service.py, part 1). "
-        "0 is what Ray's own job supervisor uses; None = Ray's default.",
+        "auto = 0 for CPU training on a single node (the measured case; Ray's job supervisor uses 0 too), "
+        "Ray's default on GPU workers and across nodes (unmeasured there; one CI run of the 2-core "
+        "multi-node test bed with workers at 0 failed to start a worker group); None = Ray's default.",
     )
     topology: Literal["auto", "single-node", "multi-node"] = Field(
         default="auto",

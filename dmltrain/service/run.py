@@ -97,15 +97,23 @@ def resolve_paths(config: ExperimentConfig, base: Path | None = None) -> Experim
     return ExperimentConfig.model_validate(data)
 
 
-def worker_env_vars(config: ExperimentConfig) -> dict[str, str]:
+def worker_env_vars(
+    config: ExperimentConfig, multi_node: bool = False, use_gpu: bool = False
+) -> dict[str, str]:
     """Environment the training workers start with. OpenMP reads OMP_WAIT_POLICY once, when torch loads,
     and Ray's core worker applies RAY_worker_niceness once, when it starts, so both have to be in the
     worker's environment from the start (Ray's worker runtime env)."""
     env = {}
     if config.scaling.omp_wait_policy is not None:
         env["OMP_WAIT_POLICY"] = config.scaling.omp_wait_policy.upper()
-    if config.scaling.worker_niceness is not None:
-        env["RAY_worker_niceness"] = str(config.scaling.worker_niceness)
+    niceness = config.scaling.worker_niceness
+    if niceness == "auto":
+        # 0 where it was measured to pay (CPU training beside its loaders on one node); elsewhere Ray's
+        # own daemons keep the priority Ray gives them (with workers at 0, one CI run of the 2-core
+        # multi-node test bed timed out starting a worker group; the run before it had passed).
+        niceness = None if multi_node or use_gpu else 0
+    if niceness is not None:
+        env["RAY_worker_niceness"] = str(niceness)
     return env
 
 
@@ -351,7 +359,7 @@ def launch(
             ),
             failure_config=FailureConfig(max_failures=config.run.max_failures),
             callbacks=[StopOnFatalError(), *callbacks],
-            worker_runtime_env={"env_vars": worker_env_vars(config)},
+            worker_runtime_env={"env_vars": worker_env_vars(config, topology.multi_node, use_gpu)},
         ),
     )
     with _run_status(tracking_uri, run_id):
