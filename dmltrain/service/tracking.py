@@ -124,21 +124,14 @@ def ensure_experiment(client: MlflowClient, tracking_uri: str, experiment: str) 
     return client.create_experiment(experiment, artifact_location=artifact_location(tracking_uri, experiment))
 
 
-def _experiment_id(client: MlflowClient, experiment: str, create: bool) -> str | None:
-    if create:
-        return ensure_experiment(client, client.tracking_uri, experiment)
-    found = client.get_experiment_by_name(experiment)
-    return None if found is None else str(found.experiment_id)
-
-
 def find_run(tracking_uri: str, experiment: str, key: str) -> ExistingRun | None:
     """The MLflow run of ``key`` (storage path + run name) in ``experiment``, or None."""
     client = MlflowClient(tracking_uri)
-    experiment_id = _experiment_id(client, experiment, create=False)
-    if experiment_id is None:
+    known = client.get_experiment_by_name(experiment)
+    if known is None:
         return None
     found = client.search_runs(
-        [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{_quote(key)}'", max_results=1
+        [known.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{_quote(key)}'", max_results=1
     )
     if not found:
         return None
@@ -190,8 +183,7 @@ def create_run(
     """A new MLflow run for ``key``: the flattened config as params, the resolved YAML as ``config.yaml``
     and the first segment record; ``tags`` are added (``mlflow.parentRunId`` nests it under a sweep)."""
     client = MlflowClient(tracking_uri)
-    experiment_id = _experiment_id(client, experiment, create=True)
-    assert experiment_id is not None
+    experiment_id = ensure_experiment(client, tracking_uri, experiment)
     run = client.create_run(experiment_id, run_name=run_name, tags={**(tags or {}), RUN_KEY_TAG: key})
     run_id = run.info.run_id
     items = [Param(k, v[:_MAX_PARAM_LENGTH]) for k, v in params.items()]
