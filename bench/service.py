@@ -513,6 +513,11 @@ def main() -> None:
     batches = decode_batches(config, plan["batches"])
     groups: dict[str, _Group] = {}
     results: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
+
+    def med(layout: str, variant: str, key: str = "seconds") -> float:
+        """A variant's part-1 figure: the median over rounds."""
+        return _median([r.get(key, float("nan")) for r in results.get((layout, variant), [])])
+
     group_variants = {"1x2": list(BASELINES)} if args.skip_steps else GROUP_VARIANTS
     # The bare loops and the service steps run under the OpenMP settings Ray gives the service's workers.
     # Only OpenMP's: RAY_worker_niceness in this environment would reach every Ray process of part 2 through
@@ -547,7 +552,7 @@ def main() -> None:
             for layout, variant in jobs[r % len(jobs) :] + jobs[: r % len(jobs)]:
                 results[(layout, variant)].append(groups[layout].run(variant, plan["steps"]))
 
-        part1_baseline = min(BASELINES, key=lambda v: _median([r["seconds"] for r in results[("1x2", v)]]))
+        part1_baseline = min(BASELINES, key=lambda v: med("1x2", v))
 
         def bare_run() -> float:
             """The baseline timed as the service's steady state is: step time over a whole run of steps
@@ -597,10 +602,7 @@ def main() -> None:
             g.close()
 
     # ---------------------------------------------------------------- report
-    def med(layout: str, variant: str, key: str = "seconds") -> float:
-        return _median([r.get(key, float("nan")) for r in results.get((layout, variant), [])])
-
-    baseline = min(BASELINES, key=lambda v: med("1x2", v))
+    baseline = part1_baseline
     bare_s = med("1x2", baseline)
     LABELS[baseline] += "  [baseline]"
     print(
