@@ -94,9 +94,20 @@ def test_worker_environment_keys(tmp_path: Path) -> None:
     from dmltrain.service.run import worker_env_vars
 
     path = CONFIGS[0].parent / "quickstart.yaml"
-    assert worker_env_vars(load_config(path)) == {"OMP_WAIT_POLICY": "PASSIVE", "RAY_worker_niceness": "0"}
-    inherited = ["scaling.omp_wait_policy=null", "scaling.worker_niceness=null"]
-    assert worker_env_vars(load_config(path, inherited)) == {}
+    assert worker_env_vars(load_config(path)) == {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "RAY_worker_niceness": "0",
+        "DMLTRAIN_LOADER_PRIORITY": "idle",
+    }
+    inherited = [
+        "scaling.omp_wait_policy=null",
+        "scaling.worker_niceness=null",
+        "data.loader_priority=normal",
+    ]
+    assert worker_env_vars(load_config(path, inherited)) == {"DMLTRAIN_LOADER_PRIORITY": "normal"}
+    # auto loaders: idle only for CPU training on one node, with the workers at niceness 0
+    assert worker_env_vars(load_config(path), multi_node=True)["DMLTRAIN_LOADER_PRIORITY"] == "normal"
+    assert worker_env_vars(load_config(path), use_gpu=True)["DMLTRAIN_LOADER_PRIORITY"] == "normal"
     assert worker_env_vars(load_config(path, ["scaling.worker_niceness=5"]))["RAY_worker_niceness"] == "5"
     # auto: 0 only for CPU training on one node; Ray's default (unset) on GPU workers and across nodes
     assert "RAY_worker_niceness" not in worker_env_vars(load_config(path), multi_node=True)

@@ -63,8 +63,8 @@ class DataConfig(_Section):
         default="auto",
         description="CPU priority of the training loader processes: idle = Linux SCHED_IDLE, they use only "
         "cycles the training step leaves idle (on shared cores a loader that takes a core stalls the step's "
-        "other threads: bench/service.py); normal = like any process; auto = idle on CPU workers, normal on "
-        "GPU workers.",
+        "other threads: bench/service.py); normal = like any process; auto = idle for CPU training on a "
+        "single node (with scaling.worker_niceness auto, the case measured), else normal.",
     )
     decode: Literal["auto", "cpu", "gpu"] = Field(
         default="auto",
@@ -458,6 +458,8 @@ def _describe_errors(error: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+# How the driver passes its resolution of data.loader_priority=auto to the workers (it knows the topology).
+LOADER_PRIORITY_ENV = "DMLTRAIN_LOADER_PRIORITY"
 _NO_INPUT = object()
 _UNION_TAGS = {"fastap", "smoothap", "rll", "triplet"}
 

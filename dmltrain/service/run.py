@@ -40,7 +40,7 @@ from dmltrain.service.cluster import (
     resolve_use_gpu,
     storage_problems,
 )
-from dmltrain.service.config import ConfigError, ExperimentConfig, flatten, load_config
+from dmltrain.service.config import LOADER_PRIORITY_ENV, ConfigError, ExperimentConfig, flatten, load_config
 from dmltrain.service.errors import FatalRunError, fatal_cause
 from dmltrain.service.preflight import check_config, check_data, load_data
 from dmltrain.service.resume import plan_launch
@@ -106,14 +106,19 @@ def worker_env_vars(
     env = {}
     if config.scaling.omp_wait_policy is not None:
         env["OMP_WAIT_POLICY"] = config.scaling.omp_wait_policy.upper()
+    # The measured case: CPU training beside its loaders on one node. SCHED_IDLE loaders pay only with the
+    # workers at niceness 0 (bench/service.py); elsewhere both stay as Ray and the OS have them (with idle
+    # loaders on the 2-core multi-node test bed, two of four CI runs had a run outpace its node-loss test).
+    single_cpu_node = not (multi_node or use_gpu)
     niceness = config.scaling.worker_niceness
     if niceness == "auto":
-        # 0 where it was measured to pay (CPU training beside its loaders on one node); elsewhere Ray's
-        # own daemons keep the priority Ray gives them (with workers at 0, one CI run of the 2-core
-        # multi-node test bed timed out starting a worker group; the run before it had passed).
-        niceness = None if multi_node or use_gpu else 0
+        niceness = 0 if single_cpu_node else None
     if niceness is not None:
         env["RAY_worker_niceness"] = str(niceness)
+    priority = config.data.loader_priority
+    if priority == "auto":
+        priority = "idle" if single_cpu_node else "normal"
+    env[LOADER_PRIORITY_ENV] = priority
     return env
 
 

@@ -56,7 +56,7 @@ from dmltrain.service.checkpoints import (
     save_state,
     save_stream_state,
 )
-from dmltrain.service.config import ExperimentConfig
+from dmltrain.service.config import LOADER_PRIORITY_ENV, ExperimentConfig
 from dmltrain.service.distributed_eval import evaluate
 from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
 from dmltrain.service.memory import peak_rss_mb, reset_peak_rss
@@ -195,10 +195,11 @@ def _decode_mode(setting: str, device: torch.device) -> str:
 
 
 def _loader_priority(setting: str, device: torch.device) -> WorkerPriority:
-    """``data.loader_priority`` for this worker: auto lowers the loaders only where they share the step's
-    cores (CPU training); a GPU worker's step leaves its cores free, and its loaders set the pace."""
+    """``data.loader_priority`` for this worker: auto is what the driver resolved from the topology
+    (`run.worker_env_vars`), else, for a loop built outside a launch, idle on a CPU device: there the
+    loaders share the step's cores; a GPU worker's step leaves its cores free, its loaders set the pace."""
     if setting == "auto":
-        return "idle" if device.type == "cpu" else "normal"
+        setting = os.environ.get(LOADER_PRIORITY_ENV) or ("idle" if device.type == "cpu" else "normal")
     return "idle" if setting == "idle" else "normal"  # the config allows only auto, idle, normal
 
 
