@@ -9,6 +9,7 @@ fp16 rounding where autocast is on.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,11 @@ pytestmark = [
 
 REPO = Path(__file__).parents[1]
 CUDA = torch.device("cuda")
+
+
+def has_faiss() -> bool:
+    """The retrieval plots need faiss; a GPU machine may have the gpu extra's build or none."""
+    return importlib.util.find_spec("faiss") is not None
 
 
 @pytest.fixture
@@ -85,46 +91,66 @@ def _relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
 
 
 def test_bf16_chunked_step_matches_fp32_within_tolerance(no_tf32: None) -> None:
-    """bf16 keeps 8 mantissa bits: through a random-init ResNet-18 the embeddings move by about 3% and the
-    loss by 1e-4, and the gradient of a ranking loss, made of small similarity differences, turns by up to
-    25 degrees (cosine 0.90-0.94 measured with CPU autocast). Stated bounds: loss within 1e-2, embeddings
-    within 5e-2 relative L2, gradient cosine >= 0.8 against fp32; and the chunking adds nothing beyond
-    rounding: within 1e-2 relative L2 of the unchunked bf16 step (2.3e-3 measured with CPU autocast)."""
+    """bf16 keeps 8 mantissa bits, and the gradient of a ranking loss through a random-init ResNet-18 (all
+    embeddings nearly alike) amplifies rounding: the unchunked bf16 gradient is 0.38-0.43 relative L2 from
+    fp32 (cosine 0.91-0.93, H100). cuDNN picks other kernels for a chunk of 16 than for 64 images, so the
+    chunked bf16 step rounds differently again (0.10-0.12 from the unchunked bf16 one). What the chunking
+    must not do is add error of its own: with one chunk it is the unchunked bf16 step (0.0 measured), and
+    with four it is no farther from fp32 than the unchunked bf16 step (within 10%; measured +0.1% to +1.5%).
+    Also: loss within 1e-2, embeddings within 5e-2 relative L2 of fp32."""
     images, labels = _images(64)
     x = normalize_images(images.to(CUDA))
     for loss_fn in (FastAPLoss(), SmoothAPLoss(temperature=0.05)):
         base = _resnet()
         fp32 = _unchunked(base, images, labels, loss_fn)
         bf16 = _unchunked(base, images, labels, loss_fn, torch.bfloat16)
-        model = copy.deepcopy(base)
-        result = global_batch_step(
-            model, images, labels, loss_fn, 16, preprocess=normalize_images, autocast_dtype=torch.bfloat16
-        )
+        grads = {}
+        for chunk in (64, 16):
+            model = copy.deepcopy(base)
+            result = global_batch_step(
+                model,
+                images,
+                labels,
+                loss_fn,
+                chunk,
+                preprocess=normalize_images,
+                autocast_dtype=torch.bfloat16,
+            )
+            grads[chunk] = grads_of(model)
         with torch.no_grad():
             e32 = base(x)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 e16 = base(x).float()
             l32 = float(loss_fn(e32, labels.to(CUDA)))
-        got = grads_of(model)
         assert abs(result.loss.item() - l32) <= 1e-2 * abs(l32)
         assert float((e16 - e32).norm() / e32.norm()) <= 5e-2
-        assert _cosine(got, fp32) >= 0.8
-        assert _relative_error(got, bf16) <= 1e-2
+        assert _relative_error(grads[64], bf16) <= 1e-3  # one chunk: the unchunked bf16 step
+        rounding = _relative_error(bf16, fp32)
+        assert _relative_error(grads[16], fp32) <= 1.1 * rounding, rounding
+        assert _cosine(grads[16], fp32) >= _cosine(bf16, fp32) - 0.01
+        assert _relative_error(grads[16], bf16) <= 0.5 * rounding  # chunking: less than bf16's own error
 
 
 def test_compiled_channels_last_gradients_match_eager_nchw(no_tf32: None) -> None:
-    """fp32, TF32 off: compiled + channels_last chunked vs eager NCHW whole batch within 1e-3 relative L2."""
+    """fp32, TF32 off, against the eager NCHW whole-batch gradient: eager NCHW in chunks within 1e-4 relative
+    L2 (4.8e-6 measured on an H100: the chunking is exact); compiled + channels_last in chunks within 1e-2
+    and cosine >= 0.9999 (3.7e-3 measured, of which eager channels_last alone gives 1.8e-3: cuDNN's NHWC
+    kernels sum in another order, and the ranking loss amplifies it on nearly alike embeddings)."""
     images, labels = _images(48)
     loss_fn = SmoothAPLoss(temperature=0.05)
     base = _resnet(seed=2)
     want = _unchunked(base, images, labels, loss_fn)
+    eager = copy.deepcopy(base)
+    global_batch_step(eager, images, labels, loss_fn, 16, preprocess=normalize_images)
+    assert _relative_error(grads_of(eager), want) <= 1e-4
     fast = compile_network(copy.deepcopy(base).to(memory_format=torch.channels_last))
     for chunk in (16, 20):  # a remainder chunk too
         fast.zero_grad(set_to_none=True)
         global_batch_step(
             fast, images, labels, loss_fn, chunk, preprocess=normalize_images, channels_last=True
         )
-        assert _relative_error(grads_of(fast), want) <= 1e-3, chunk
+        assert _relative_error(grads_of(fast), want) <= 1e-2, chunk
+        assert _cosine(grads_of(fast), want) >= 0.9999, chunk
     assert compile_state(fast) == "works"
 
 
@@ -156,23 +182,33 @@ def test_compiled_dropout_is_replayed_on_cuda() -> None:
 
 
 def test_fp16_with_grad_scaler_matches_unchunked_fp16() -> None:
+    """As for bf16: one chunk is the unchunked fp16 step (0.0 measured on an H100); in chunks of 16 the
+    gradient is no farther from fp32 than the unchunked fp16 one (0.14 vs 0.15 relative L2 measured; cosine
+    0.99), with the loss scaled by the GradScaler and unscaled by the optimizer step as in the service."""
     images, labels = _images(48, seed=3)
     loss_fn = FastAPLoss()
     base = _resnet(seed=4)
     want = _unchunked(base, images, labels, loss_fn, torch.float16, scale=1024.0)
-    model = copy.deepcopy(base)
-    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
-    global_batch_step(
-        model,
-        images,
-        labels,
-        loss_fn,
-        16,
-        preprocess=normalize_images,
-        autocast_dtype=torch.float16,
-        grad_scaler=scaler,
-    )
-    assert _relative_error(grads_of(model), want) <= 2e-2
+    fp32 = _unchunked(base, images, labels, loss_fn, None, scale=1024.0)
+    grads = {}
+    for chunk in (48, 16):
+        model = copy.deepcopy(base)
+        scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
+        global_batch_step(
+            model,
+            images,
+            labels,
+            loss_fn,
+            chunk,
+            preprocess=normalize_images,
+            autocast_dtype=torch.float16,
+            grad_scaler=scaler,
+        )
+        grads[chunk] = grads_of(model)
+    assert _relative_error(grads[48], want) <= 1e-3
+    rounding = _relative_error(want, fp32)
+    assert _relative_error(grads[16], fp32) <= 1.1 * rounding, rounding
+    assert _cosine(grads[16], fp32) >= 0.98
 
 
 def test_chunked_step_memory_is_flat_in_batch_size() -> None:
@@ -224,7 +260,7 @@ def test_service_runs_two_steps_on_a_gpu_worker(ray_cluster, glyphs_root: Path, 
             "train.chunk_size=16",
             "train.eval_at_start=false",
             "eval.max_images=400",
-            "eval.grid_queries=2",
+            f"eval.grid_queries={2 if has_faiss() else 0}",
         ],
     )
     outcome = launch(config)

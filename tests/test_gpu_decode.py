@@ -2,9 +2,10 @@
 (`pytest -m gpu -s tests/test_gpu_decode.py` on a CUDA machine; `-s` prints the measured differences).
 
 Skipped with a reason where CUDA is absent. Tolerance: decoders differ (IDCT, chroma upsampling), so pixels
-are compared by their mean absolute difference, with torchvision's own bound for nvJPEG against libjpeg
-(mean < 2 grey levels, its test_decode_jpegs_cuda); the augmented batches must also agree image by image
-(every image < 4), which fails at once if a crop or a flip differed between the two paths.
+are compared by their mean absolute difference: torchvision's own bound for nvJPEG against libjpeg (mean
+< 2 grey levels, its test_decode_jpegs_cuda) for the augmented batches, which must also agree image by
+image (every image < 4), which fails at once if a crop or a flip differed between the two paths; single
+4:2:0 images of saturated colour differ more (chroma upsampling, up to 3.3 measured), 4:4:4 ones not at all.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from test_device_decode import build, encoded, loader, pixels
+from test_gpu import has_faiss
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from dmltrain.data import load_dataset_info, train_transform
@@ -40,11 +42,15 @@ def colour_jpegs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("gpu_jpegs"), 16, 6, ("jpeg", "jpeg444", "progressive"))
 
 
-def test_nvjpeg_decodes_like_pil_within_torchvisions_bound() -> None:
+def test_nvjpeg_decodes_like_pil_within_the_stated_bounds() -> None:
+    """4:4:4 JPEGs decode alike (0.00 measured on an H100); 4:2:0 ones (baseline and progressive) differ
+    where the chroma is upsampled (libjpeg's fancy upsampling vs nvJPEG's): 1.5-3.3 grey levels measured on
+    these saturated colour fields, noise or none, so the bound is 4 (torchvision's own test photos stay
+    under 2)."""
     assert device_decode_problem(CUDA) is None
     assert resolve_decode("auto", None) == ("gpu", torch.device("cuda", torch.cuda.current_device()))
     arrays = [pixels(np.random.default_rng(i), 64 + 7 * i, 96 - 5 * i) for i in range(8)]
-    for kind in ("jpeg", "jpeg444", "progressive"):
+    for kind, bound in (("jpeg", 4.0), ("jpeg444", 0.5), ("progressive", 4.0)):
         files = [encoded(a, kind) for a in arrays]
         tensors = [torch.frombuffer(bytearray(f), dtype=torch.uint8) for f in files]
         for f, image in zip(files, decode_jpeg(tensors, mode=ImageReadMode.RGB, device=CUDA), strict=True):
@@ -52,7 +58,7 @@ def test_nvjpeg_decodes_like_pil_within_torchvisions_bound() -> None:
             assert image.device.type == "cuda" and image.shape == reference.shape
             diff = (image.cpu().float() - reference).abs().mean().item()
             print(f"{kind} {tuple(image.shape)}: mean |nvJPEG - PIL| = {diff:.3f}")
-            assert diff < 2, (kind, diff)
+            assert diff < bound, (kind, diff)
 
 
 def test_gpu_decoded_batches_match_the_pil_path(colour_jpegs: Path) -> None:
@@ -121,7 +127,7 @@ def test_service_runs_with_gpu_decode(ray_cluster, tmp_path: Path, colour_jpegs:
             "train.global_batch_size=32",
             "train.chunk_size=16",
             "train.eval_at_start=false",
-            "eval.grid_queries=2",
+            f"eval.grid_queries={2 if has_faiss() else 0}",
         ],
     )
     outcome = launch(config)
