@@ -15,10 +15,11 @@ Parts:
   fits) and `global_batch_step` in chunks of 256 at B = 256-8,192, eager NCHW, channels_last, and
   channels_last + torch.compile. Pinned uint8 inputs, as the service hands them over.
 - service: generates a JPEG set (thousands of classes, 256 px), prepares WebDataset shards, runs
-  `python -m dmltrain.run` on one GPU worker with a generated config, and reads images/s, data wait share
-  and peak GPU memory back from MLflow; against the engine (same settings, plus the Adam step the service
-  also takes) on the same images decoded once into memory. One run per --service-decode value (data.decode;
-  default cpu then gpu on CUDA, cpu elsewhere); the goals judge the fastest run.
+  `python -m dmltrain.run` on one GPU worker with a generated config, and reads images/s, data wait share,
+  peak GPU memory and the seconds per step of each timed phase back from MLflow; against the engine (same
+  settings, plus the Adam step the service also takes) on the same images decoded once into memory. One run
+  per --service-decode value (data.decode; default cpu then gpu on CUDA, cpu elsewhere); the goals judge
+  the fastest run.
 Ratios compare cases of the same run. GB = 10^9 bytes.
 """
 
@@ -457,8 +458,29 @@ def _service_metrics(uri: str, run_id: str) -> dict[str, float]:
         if history:
             out[key] = history[-1].value
     out["windows"] = len(client.get_metric_history(run_id, "train/images_per_second"))
+    out["phases"] = _last_window_phases(client, run_id)
     tags = client.get_run(run_id).data.tags
     out["tags"] = {k: v for k, v in tags.items() if k.startswith("dmltrain.")}
+    return out
+
+
+def _last_window_phases(client, run_id: str) -> dict[str, float]:
+    """Seconds per step of each phase the worker times (time/<phase>_seconds, cumulative, logged with every
+    log line) over the last log window: where a step's time goes, for the gap to the engine. On CUDA the
+    phases are host time: GPU work queued in one phase is waited for in the next that synchronises
+    (the update reads the loss and the gradient norm)."""
+    steps = sorted(client.get_metric_history(run_id, "time/step_seconds"), key=lambda m: m.step)
+    if len(steps) < 2:
+        return {}
+    first, last = steps[-2].step, steps[-1].step
+    delta = {}
+    for phase in ("step", "data", "engine", "update", "eval", "checkpoint", "loop"):
+        values = {m.step: m.value for m in client.get_metric_history(run_id, f"time/{phase}_seconds")}
+        if first in values and last in values:
+            delta[phase] = (values[last] - values[first]) / (last - first)
+    out = {k: delta[k] for k in ("step", "data", "engine", "update") if k in delta}
+    if {"loop", "step", "eval", "checkpoint"} <= delta.keys():  # logging and the loop's own work
+        out["outside steps"] = delta["loop"] - delta["step"] - delta["eval"] - delta["checkpoint"]
     return out
 
 
@@ -586,7 +608,9 @@ def _service_run(
         rate / engine_rate if rate and engine_rate else None,
         "engine in memory (img/s)",
         f"data wait {metrics.get('train/data_wait_share', float('nan')):.1%}, last of "
-        f"{metrics['windows']} windows of {plan['service_log_every']} steps; run {wall:.0f} s",
+        f"{metrics['windows']} windows of {plan['service_log_every']} steps; run {wall:.0f} s; "
+        "s per step in that window: "
+        + ", ".join(f"{phase} {seconds:.3f}" for phase, seconds in metrics["phases"].items()),
         metrics.get("train/data_wait_share"),
     )
 
