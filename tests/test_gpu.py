@@ -79,6 +79,22 @@ def _unchunked(model, images, labels, loss_fn, dtype=None, scale: float = 1.0) -
     return grads_of(model)
 
 
+def _chunked_step(base, images, labels, loss_fn, chunk: int, dtype, scaler=None) -> tuple[dict, object]:
+    """A copy of `base` after one `global_batch_step` in chunks of `chunk`: (its gradients, the result)."""
+    model = copy.deepcopy(base)
+    result = global_batch_step(
+        model,
+        images,
+        labels,
+        loss_fn,
+        chunk,
+        preprocess=normalize_images,
+        autocast_dtype=dtype,
+        grad_scaler=scaler,
+    )
+    return grads_of(model), result
+
+
 def _cosine(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     a = torch.cat([got[k].flatten() for k in want])
     b = torch.cat([want[k].flatten() for k in want])
@@ -106,17 +122,7 @@ def test_bf16_chunked_step_matches_fp32_within_tolerance(no_tf32: None) -> None:
         bf16 = _unchunked(base, images, labels, loss_fn, torch.bfloat16)
         grads = {}
         for chunk in (64, 16):
-            model = copy.deepcopy(base)
-            result = global_batch_step(
-                model,
-                images,
-                labels,
-                loss_fn,
-                chunk,
-                preprocess=normalize_images,
-                autocast_dtype=torch.bfloat16,
-            )
-            grads[chunk] = grads_of(model)
+            grads[chunk], result = _chunked_step(base, images, labels, loss_fn, chunk, torch.bfloat16)
         with torch.no_grad():
             e32 = base(x)
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -192,19 +198,8 @@ def test_fp16_with_grad_scaler_matches_unchunked_fp16() -> None:
     fp32 = _unchunked(base, images, labels, loss_fn, None, scale=1024.0)
     grads = {}
     for chunk in (48, 16):
-        model = copy.deepcopy(base)
         scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
-        global_batch_step(
-            model,
-            images,
-            labels,
-            loss_fn,
-            chunk,
-            preprocess=normalize_images,
-            autocast_dtype=torch.float16,
-            grad_scaler=scaler,
-        )
-        grads[chunk] = grads_of(model)
+        grads[chunk], _ = _chunked_step(base, images, labels, loss_fn, chunk, torch.float16, scaler)
     assert _relative_error(grads[48], want) <= 1e-3
     rounding = _relative_error(want, fp32)
     assert _relative_error(grads[16], fp32) <= 1.1 * rounding, rounding
