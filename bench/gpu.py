@@ -469,15 +469,19 @@ def _last_window_phases(client, run_id: str) -> dict[str, float]:
     log line) over the last log window: where a step's time goes, for the gap to the engine. On CUDA the
     phases are host time: GPU work queued in one phase is waited for in the next that synchronises
     (the update reads the loss and the gradient norm)."""
-    steps = sorted(client.get_metric_history(run_id, "time/step_seconds"), key=lambda m: m.step)
-    if len(steps) < 2:
+    history = {
+        phase: {m.step: m.value for m in client.get_metric_history(run_id, f"time/{phase}_seconds")}
+        for phase in ("step", "data", "engine", "update", "eval", "checkpoint", "loop")
+    }
+    logged = sorted(history["step"])
+    if len(logged) < 2:
         return {}
-    first, last = steps[-2].step, steps[-1].step
-    delta = {}
-    for phase in ("step", "data", "engine", "update", "eval", "checkpoint", "loop"):
-        values = {m.step: m.value for m in client.get_metric_history(run_id, f"time/{phase}_seconds")}
-        if first in values and last in values:
-            delta[phase] = (values[last] - values[first]) / (last - first)
+    first, last = logged[-2:]
+    delta = {
+        phase: (values[last] - values[first]) / (last - first)
+        for phase, values in history.items()
+        if first in values and last in values
+    }
     out = {k: delta[k] for k in ("step", "data", "engine", "update") if k in delta}
     if {"loop", "step", "eval", "checkpoint"} <= delta.keys():  # logging and the loop's own work
         out["outside steps"] = delta["loop"] - delta["step"] - delta["eval"] - delta["checkpoint"]
