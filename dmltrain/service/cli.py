@@ -121,13 +121,12 @@ def _register_sweep(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
-    import logging
-
     from dmltrain.service.config import ConfigError
     from dmltrain.service.errors import FatalRunError
+    from dmltrain.service.logs import setup_logging
     from dmltrain.service.sweeps import load_sweep, run_sweep
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     try:
         outcome = run_sweep(load_sweep(args.sweep, args.overrides, name=args.name))
     except (ConfigError, FatalRunError) as error:

@@ -42,6 +42,7 @@ from dmltrain.service.cluster import (
 )
 from dmltrain.service.config import LOADER_PRIORITY_ENV, ConfigError, ExperimentConfig, flatten, load_config
 from dmltrain.service.errors import FatalRunError, fatal_cause
+from dmltrain.service.logs import setup_logging
 from dmltrain.service.preflight import check_config, check_data, load_data
 from dmltrain.service.resume import plan_launch
 from dmltrain.service.tracking import (
@@ -401,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     try:
         outcome = launch(load_config(args.config, args.overrides))
     except (ConfigError, FatalRunError) as error:

@@ -59,6 +59,7 @@ from dmltrain.service.checkpoints import (
 from dmltrain.service.config import LOADER_PRIORITY_ENV, ExperimentConfig
 from dmltrain.service.distributed_eval import evaluate
 from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
+from dmltrain.service.logs import setup_logging
 from dmltrain.service.memory import peak_rss_mb, reset_peak_rss
 from dmltrain.service.prefetch import BatchPrefetcher
 from dmltrain.service.tracking import RunLogger
@@ -702,7 +703,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     context = ray.train.get_context()
     ray_ctx = _RayContext(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device())
     config = ExperimentConfig.model_validate(loop_config["config"])
