@@ -22,6 +22,7 @@ import webdataset as wds
 from PIL import Image
 
 from dmltrain.data import EvalLoader, TrainLoader, prepare
+from dmltrain.data.errors import SampleError
 from dmltrain.data.metadata import load_dataset_info
 from dmltrain.data.shards import ShardEntry, ShardError, iter_tar, read_shard, write_shard
 
@@ -308,6 +309,32 @@ def test_loaders_report_a_damaged_shard_by_name(prepared: Path, tmp_path: Path) 
         ValueError, match=re.escape(f"sample {entries[0].key!r} of shard {url}: cannot decode")
     ):
         list(EvalLoader(tmp_path / "out", "train", 4, rank=0, world_size=1, image_size=8))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_undecodable_image_ends_a_run_with_one_line_naming_it(
+    prepared: Path, tmp_path: Path, workers: int
+) -> None:
+    """Every attempt would replay the same sample, so the worker loop treats the error as fatal; from a
+    loader process it arrives wrapped in the DataLoader's traceback, and the run's one line still names it."""
+    from dmltrain.service.errors import FATAL_IN_LOOP, as_fatal
+
+    shutil.copytree(prepared, tmp_path / "out")
+    url = load_dataset_info(tmp_path / "out").shard_urls(tmp_path / "out", "train")[0]
+    entries = [ShardEntry(s.key, b"\x89PNG broken", "png", s.cls, s.category, {}) for s in read_shard(url)]
+    write_shard(url, entries)
+    loader = TrainLoader(
+        tmp_path / "out", 8, {"name": "pk"}, rank=0, world_size=1, num_workers=workers, image_size=8
+    )
+    with pytest.raises(SampleError) as caught:
+        loader.next_batch()
+    assert isinstance(caught.value, FATAL_IN_LOOP)
+    line = str(as_fatal(caught.value, 0, "step 1"))
+    assert re.fullmatch(
+        rf"rank 0 step 1: SampleError: sample '[^']+' of shard {re.escape(url)}: cannot decode/transform "
+        r"the image: .+",
+        line,
+    ), line
 
 
 def eval_batches(root: str | Path) -> list[tuple[list[str], list[int], bytes]]:

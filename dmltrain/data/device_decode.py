@@ -31,6 +31,7 @@ from PIL import Image
 from torch.utils.data import get_worker_info
 from torchvision.io import ImageReadMode, decode_jpeg
 
+from dmltrain.data.errors import SampleError
 from dmltrain.data.shards import Sample
 from dmltrain.data.transforms import CropFlip, TrainAugment, decode
 
@@ -219,7 +220,7 @@ class DeviceDecoder:
         try:
             image = decode(data)
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
-            raise ValueError(f"{where}: cannot decode the image: {exc} (device decoder: {why})") from exc
+            raise SampleError(f"{where}: cannot decode the image: {exc} (device decoder: {why})") from exc
         self.fallbacks += 1
         log.warning("%s: the device decoder failed (%s); decoded by PIL instead", where, why)
         return image.to(self.device)

@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from dmltrain.data.device_decode import DecodeMode, DeviceDecoder, EncodedPart, encode_part, resolve_decode
+from dmltrain.data.errors import SampleError
 from dmltrain.data.metadata import DatasetInfo, load_dataset_info
 from dmltrain.data.plan import TrainPlan
 from dmltrain.data.sampling import Batcher, PoolBatcher, ReservoirBatcher, SamplerSpec, TripletBatcher
@@ -67,14 +68,14 @@ def collate(samples: list[Sample], transform: Transform) -> tuple[torch.Tensor, 
         try:
             images.append(as_rgb(transform(decode(sample.data, keep_grey))))
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
-            raise ValueError(f"{_where(sample)}: cannot decode/transform the image: {exc}") from exc
+            raise SampleError(f"{_where(sample)}: cannot decode/transform the image: {exc}") from exc
     try:
         # default_collate stacks straight into shared memory inside a loader worker, which saves the copy
         # that sending an ordinary tensor to the main process would make.
         batch = default_collate(images)
     except RuntimeError as exc:
         shapes = sorted({tuple(i.shape) for i in images})
-        raise ValueError(
+        raise SampleError(
             f"transformed images differ in shape {shapes[:4]}: use a fixed-size transform"
         ) from exc
     labels = torch.tensor([s.cls for s in samples], dtype=torch.int64)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from dmltrain.data.errors import SamplingError
 from dmltrain.data.fill import Fill, Item, repair, take_greedy
 from dmltrain.data.shards import Sample
 from dmltrain.data.stream import Group, GroupStream
@@ -188,7 +189,7 @@ class PoolBatcher(Batcher):
         ):
             read += self._ingest(self.stream.next_group())
             if self.size == 0 and read >= self.pass_images:
-                raise RuntimeError(f"{self.where}: its shards hold no class with 2 or more images")
+                raise SamplingError(f"{self.where}: its shards hold no class with 2 or more images")
 
     def next_batch(self, step: int) -> list[Sample]:
         if self.batch_size == 0:
@@ -201,7 +202,7 @@ class PoolBatcher(Batcher):
             read = 0  # the classes the part lacks may be further on: read one more pass, then give up
             while read < self.pass_images:
                 read += self._ingest(self.stream.next_group())
-        raise RuntimeError(self._shortage())
+        raise SamplingError(self._shortage())
 
     def _select(self) -> list[Sample] | None:
         """One piece per class, in a random order over the pool's pieces (so a class is drawn as often as
@@ -387,7 +388,7 @@ class ReservoirBatcher(Batcher):
                     chosen += handle[1]
         self.counters["off_plan_images"] += sum(size for (c, _), _, size in fill.taken if c not in planned)
         if not chosen:
-            raise RuntimeError(f"{self.where}: no class of 2+ images of categories {planned} is buffered")
+            raise SamplingError(f"{self.where}: no class of 2+ images of categories {planned} is buffered")
         while len(chosen) < part:  # the part must have its size: repeat images (counted)
             self.counters["repeated_images"] += 1
             chosen.append(chosen[int(self.rng.integers(len(chosen)))])

@@ -10,6 +10,7 @@ policy never retries. This module stays free of Ray so the worker loop can use i
 
 from __future__ import annotations
 
+from dmltrain.data.errors import SampleError, SamplingError
 from dmltrain.data.shards import ShardError
 
 
@@ -18,15 +19,29 @@ class FatalRunError(RuntimeError):
 
 
 # Raised while a worker sets up (model, data plan, weights): no restart makes them go away. Errors of the
-# training loop itself are retried unless listed in FATAL_IN_LOOP (a lost peer shows up as RuntimeError).
+# training loop itself are retried unless listed in FATAL_IN_LOOP (a lost peer shows up as RuntimeError);
+# what the data causes (a damaged shard or image, a batch its classes cannot fill) replays on a restart.
 FATAL_IN_SETUP = (ValueError, KeyError, TypeError, FileNotFoundError, ImportError)
-FATAL_IN_LOOP = (ShardError,)
+FATAL_IN_LOOP = (ShardError, SampleError, SamplingError)
 
 
 def as_fatal(exc: BaseException, rank: int, phase: str) -> FatalRunError:
     """A one-line FatalRunError naming the rank and phase, chained to ``exc``."""
-    first_line = (str(exc).strip().splitlines() or [""])[0]
-    return FatalRunError(f"rank {rank} {phase}: {type(exc).__name__}: {first_line}")
+    return FatalRunError(f"rank {rank} {phase}: {type(exc).__name__}: {_first_line(exc)}")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of the error's own message. A DataLoader worker's error is re-raised in the main
+    process with a message that starts "Caught X in DataLoader worker process N." and holds the worker's
+    traceback: its own message (the one naming the shard or sample) is on the line "module.X: ..."."""
+    text = str(exc).strip()
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        name = type(exc).__name__
+        for line in text.splitlines():
+            head, sep, message = line.partition(": ")
+            if sep and not line.startswith(" ") and head.rpartition(".")[2] == name:
+                return message.strip()
+    return (text.splitlines() or [""])[0]
 
 
 def fatal_cause(error: BaseException | None) -> FatalRunError | None:
