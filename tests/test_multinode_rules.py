@@ -92,6 +92,28 @@ def test_workers_that_a_single_node_cannot_hold_are_refused_with_the_numbers() -
     assert local_capacity_problem(four, attached, machine_cpus=1) is None
 
 
+@pytest.mark.service
+def test_the_capacity_check_counts_cpus_as_the_local_ray_node_will(tmp_path: Path) -> None:
+    """A fresh local Ray node, started the way the driver starts one, has as many CPUs as the check counts,
+    also for a process pinned to one CPU (Ray ignores the affinity mask; it follows a container's quota)."""
+    code = (
+        "import os, ray\n"
+        "from dmltrain.service.run import local_node_cpus\n"
+        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "counted = local_node_cpus()\n"
+        "ray.init(include_dashboard=False, log_to_driver=False)\n"
+        "print(counted, int(ray.cluster_resources()['CPU']))\n"
+        "ray.shutdown()\n"
+    )
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": ""}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    counted, ray_cpus = map(int, proc.stdout.split()[-2:])
+    assert counted == ray_cpus
+
+
 def test_default_config_on_a_multi_node_cluster_is_refused_one_line_per_setting() -> None:
     config = load_config(QUICKSTART)  # data/glyphs, ray_results, no tracking URI: the laptop defaults
     problems = storage_problems(config, "sqlite:////home/u/mlflow.db", True, MULTI)

@@ -171,11 +171,16 @@ def _cluster_view(connect: bool) -> ClusterView:
     )
 
 
-def _machine_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, as Ray counts them for a local cluster)."""
+def local_node_cpus() -> int:
+    """The CPUs Ray gives the local node it starts: the machine's count, lowered by a container's CPU quota
+    or cpuset (cgroups), as Ray counts them. Counting them differently (the affinity mask, or the host's
+    CPUs inside a container limited to fewer) would let a config through whose workers Ray then waits for
+    forever, or refuse one Ray can place. Ray's count is not public API, hence the fallback."""
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
+        from ray._private.utils import get_num_cpus
+
+        return max(1, int(get_num_cpus(override_docker_cpu_warning=True)))
+    except Exception:  # a Ray without this helper: the machine's count, as Ray counts outside containers
         return os.cpu_count() or 1
 
 
@@ -187,7 +192,7 @@ def check_cluster(config: ExperimentConfig, tracking_uri: str, tracking_is_defau
     view = _cluster_view(connect=joins_existing_cluster() or ray.is_initialized())
     topology = decide_topology(config.scaling.topology, view)
     problems = storage_problems(config, tracking_uri, tracking_is_default, topology)
-    capacity = local_capacity_problem(config, view, _machine_cpus())
+    capacity = local_capacity_problem(config, view, local_node_cpus())
     if capacity and not topology.multi_node:
         problems.append(capacity)
     if problems:
