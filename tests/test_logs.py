@@ -31,7 +31,12 @@ def test_faiss_loader_chatter_is_hidden_but_its_warnings_are_not() -> None:
 def test_setup_logging_keeps_quiet_loggers_at_warning_or_above() -> None:
     from dmltrain.service.logs import QUIET_LOGGERS, setup_logging
 
-    setup_logging(logging.DEBUG)
-    assert all(logging.getLogger(name).level == logging.WARNING for name in QUIET_LOGGERS)
-    setup_logging(logging.ERROR)
-    assert all(logging.getLogger(name).level == logging.ERROR for name in QUIET_LOGGERS)
+    levels = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+    try:
+        setup_logging(logging.DEBUG)
+        assert all(logging.getLogger(name).level == logging.WARNING for name in QUIET_LOGGERS)
+        setup_logging(logging.ERROR)
+        assert all(logging.getLogger(name).level == logging.ERROR for name in QUIET_LOGGERS)
+    finally:  # the loggers are process-wide: later tests see them as they were
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
