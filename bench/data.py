@@ -26,9 +26,12 @@ With workers the baseline stacks its batches too (in shared memory), as handing 
 GPU rows (only where CUDA is present, or `--decode-device cpu` to exercise the same code on the CPU; the
 script says when they are skipped): interleaved batch by batch, (1) the CPU path's decode + augment in one
 process, (2) the training process's share of decode=gpu: batched `decode_jpeg` on the device + crop/resize/
-flip there, on parts encoded beforehand, (3) a loader worker's share of decode=gpu (image headers, crop
-draws, packing the bytes). Ratios against (1) and against the raw decode + augment rate of the N-worker
-row above; the loader end to end with decode=gpu joins the worker rows (same rounds, same baseline).
+flip there, on parts encoded beforehand, (2') the same with the crops applied image by image (torchvision's
+`resized_crop` + flip per image, as before 2026-11-26; its CPU ms/image against (2) is the host work, and
+GIL time, that batching the crops saves; on `--decode-device cpu` both run the CPU's per-image path),
+(3) a loader worker's share of decode=gpu (image headers, crop draws, packing the bytes). Ratios against
+(1) and against the raw decode + augment rate of the N-worker row above; the loader end to end with
+decode=gpu joins the worker rows (same rounds, same baseline).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import tarfile
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +60,7 @@ from webdataset import tariterators
 
 from dmltrain.data import SamplerSpec, TrainLoader, decode, load_dataset_info, prepare, train_transform
 from dmltrain.data.shards import Sample, read_shard
-from dmltrain.data.transforms import Transform
+from dmltrain.data.transforms import CropFlip, TrainAugment, Transform
 
 
 def make_images(root: Path, classes: int, per_class: int, size: tuple[int, int]) -> list[Path]:
@@ -171,7 +174,9 @@ def throughput_table(args: argparse.Namespace, tmp: Path, paths: list[Path]) -> 
     transform = train_transform(args.crop, scale=(0.16, 1.0))
     blobs = [p.read_bytes() for p in paths]
     spec = SamplerSpec(name="pk", samples_per_class=4, pool_images=4 * args.batch)
-    gpu_spec = SamplerSpec(name="pk", samples_per_class=4, pool_images=4 * args.gpu_batch)
+    # a P x K batch needs B/K classes: the streamed decode=gpu row takes the largest the data allows
+    stream_gpu_batch = min(args.gpu_batch, 4 * args.classes)
+    gpu_spec = SamplerSpec(name="pk", samples_per_class=4, pool_images=4 * stream_gpu_batch)
 
     def raw() -> Iterator[int]:
         for start in itertools.count(0, args.batch):
@@ -194,7 +199,7 @@ def throughput_table(args: argparse.Namespace, tmp: Path, paths: list[Path]) -> 
         def go() -> Iterator[int]:
             loader = TrainLoader(
                 tmp / "shards",
-                args.batch if device is None else args.gpu_batch,
+                args.batch if device is None else stream_gpu_batch,
                 spec if device is None else gpu_spec,
                 rank=0,
                 world_size=1,
@@ -238,7 +243,7 @@ def throughput_table(args: argparse.Namespace, tmp: Path, paths: list[Path]) -> 
     ]
     device = decode_device(args)
     if device is not None:
-        name = f"dmltrain stream + P x K batches, decode=gpu on {device} (batch {args.gpu_batch})"
+        name = f"dmltrain stream + P x K batches, decode=gpu on {device} (batch {stream_gpu_batch})"
         parallel.append(Row(name, w, streamed(w, device)))
     load_before = os.getloadavg()[0]
     run_interleaved(in_process, args.rounds, args.batches)
@@ -313,6 +318,9 @@ def device_table(args: argparse.Namespace, paths: list[Path], raw_workers_rate: 
     torch.manual_seed(0)
     parts = [encode_part(chunk, transform) for chunk in chunks]
     decoder = DeviceDecoder(transform, device, ["memory"], decode_batch=args.decode_batch)
+    per_image = DeviceDecoder(
+        CropsOneByOne(args.crop, scale=(0.16, 1.0)), device, ["memory"], decode_batch=args.decode_batch
+    )
 
     def cpu_path() -> Iterator[int]:
         for chunk in itertools.cycle(chunks):
@@ -322,6 +330,10 @@ def device_table(args: argparse.Namespace, paths: list[Path], raw_workers_rate: 
         for part, names in itertools.cycle(zip(parts, keys, strict=True)):
             yield len(decoder(part, names))  # returns once the batch is on the device, finished
 
+    def device_share_per_image() -> Iterator[int]:
+        for part, names in itertools.cycle(zip(parts, keys, strict=True)):
+            yield len(per_image(part, names))
+
     def worker_share() -> Iterator[int]:
         for chunk in itertools.cycle(chunks):
             yield len(encode_part(chunk, transform))
@@ -329,6 +341,7 @@ def device_table(args: argparse.Namespace, paths: list[Path], raw_workers_rate: 
     rows = [
         Row("CPU path: PIL decode + augment (1 process)", 0, cpu_path),
         Row(f"decode=gpu, training process: decode_jpeg + crop/resize/flip on {device}", 0, device_share),
+        Row("the same, crops applied image by image (before 2026-11-26)", 0, device_share_per_image),
         Row("decode=gpu, loader worker: headers + crop draws + packing (1 process)", 0, worker_share),
     ]
     load_before = os.getloadavg()[0]
@@ -349,7 +362,7 @@ def device_table(args: argparse.Namespace, paths: list[Path], raw_workers_rate: 
             f"| {row.name} | {row.rate():.0f} | {row.rate() / base.rate():.2f}x "
             f"| {q2:.2f}x [{q1:.2f}-{q3:.2f}] | {1000 * row.cpu_per_image():.3f} |"
         )
-    gpu, worker = rows[1].rate(), rows[2].rate()
+    gpu, worker = rows[1].rate(), rows[3].rate()
     line = (
         f"\ndecode=gpu, training process: {gpu:.0f} images/s = {gpu / base.rate():.1f}x the CPU path in "
         "one process"
@@ -364,6 +377,13 @@ def device_table(args: argparse.Namespace, paths: list[Path], raw_workers_rate: 
     )
     if decoder.fallbacks:
         print(f"({decoder.fallbacks} images fell back to PIL in the training process)")
+
+
+class CropsOneByOne(TrainAugment):
+    """The device decoder's crops as they ran before `apply_batch`: `apply` per image, then a stack."""
+
+    def apply_batch(self, images: Sequence[torch.Tensor], params: Sequence[CropFlip]) -> torch.Tensor:
+        return torch.stack([self.apply(image, p) for image, p in zip(images, params, strict=True)])
 
 
 def to_sample(d: dict) -> Sample:
@@ -475,11 +495,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.height, args.width = 256, 320
-    classes, per_class = (32, 16) if args.quick else (96, 16)
+    args.classes, per_class = (32, 16) if args.quick else (96, 16)
     args.rounds, args.batches = (3, 6) if args.quick else (5, 8)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        paths = make_images(tmp / "src", classes, per_class, (args.height, args.width))
+        paths = make_images(tmp / "src", args.classes, per_class, (args.height, args.width))
         prepare("folder", str(tmp / "src"), tmp / "shards", shard_size=64, progress=False)
         raw_cpu, raw_workers_rate = throughput_table(args, tmp, paths)
         device_table(args, paths, raw_workers_rate)

@@ -329,3 +329,59 @@ def test_the_prefetcher_leaves_a_batch_already_on_a_device_alone() -> None:
     GPU) must not try to pin a device tensor: only host tensors are pinned."""
     on_device = torch.empty(2, device="meta")
     assert _pinned(on_device) is on_device and _pinned(["key"]) == ["key"]
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "nearest"])
+@pytest.mark.parametrize("resize_mode", ["shorter_side", "warp"])
+def test_batched_crops_are_torchvisions_off_cpu_path_pixel_for_pixel(
+    monkeypatch: pytest.MonkeyPatch, interpolation: str, resize_mode: str
+) -> None:
+    """`TrainAugment.resample_batch` (what the device decoder runs on a GPU) against torchvision's own
+    uint8 path off the CPU (cast to float, resample, clamp/round, cast back, per image; selected here by
+    turning off its native CPU uint8 resize), image for image: identical pixels, crops and flips."""
+    from torchvision.transforms.v2 import functional as F
+    from torchvision.transforms.v2.functional import _geometry
+
+    from dmltrain.data.transforms import CropFlip
+
+    augment = train_transform(24, resize_mode=resize_mode, resize=32, interpolation=interpolation)
+    rng = np.random.default_rng(0)
+    shapes = [(40, 30), (300, 500), (17, 200), (24, 24), (32, 32), (61, 47)]
+    images = [torch.from_numpy(pixels(rng, h, w)).permute(2, 0, 1).contiguous() for h, w in shapes * 4]
+    torch.manual_seed(0)
+    params = [augment.draw(*image.shape[-2:]) for image in images]
+    side = 32 if resize_mode == "warp" else 24
+    params[3] = CropFlip(0, 0, 24, 24, True)  # a crop of the output size: no resample
+    params[4] = CropFlip(4, 2, min(side, 24), min(side, 24), False)
+    assert any(p.flip for p in params) and not all(p.flip for p in params)
+
+    monkeypatch.setattr(_geometry, "_do_native_uint8_resize_on_cpu", lambda interpolation: False)
+    expected = []
+    for image, p in zip(images, params, strict=True):
+        if augment.warp is not None:
+            image = F.resize(image, [32, 32], interpolation=augment.interpolation, antialias=True)
+        out = F.resized_crop(
+            image, p.top, p.left, p.height, p.width, [24, 24], augment.interpolation, antialias=True
+        )
+        expected.append(F.horizontal_flip(out) if p.flip else out)
+    batch = augment.resample_batch(images, params)
+    assert batch.dtype == torch.uint8 and batch.shape == (len(images), 3, 24, 24)
+    for i, image in enumerate(expected):
+        assert torch.equal(batch[i], image), (i, params[i], (batch[i].float() - image.float()).abs().max())
+    # On the CPU `apply_batch` is `apply` per image: the native uint8 resize, which rounds differently, by at
+    # most one grey level per resample (two with the warp); nearest picks the same pixels either way.
+    monkeypatch.undo()
+    native = augment.apply_batch(images, params)
+    assert torch.equal(
+        native, torch.stack([augment.apply(x, p) for x, p in zip(images, params, strict=True)])
+    )
+    diff = (native.float() - batch.float()).abs()
+    resamples = 0 if interpolation == "nearest" else 1 + (resize_mode == "warp")
+    assert diff.max() <= resamples and diff.mean() <= 0.25 * resamples
+
+
+def test_batched_crops_need_one_box_per_image() -> None:
+    augment = train_transform(24)
+    with pytest.raises(ValueError, match="2 images but 1 crop parameters"):
+        augment.apply_batch([torch.zeros(3, 30, 30, dtype=torch.uint8)] * 2, [augment.draw(30, 30)])
+    assert augment.apply_batch([], []).shape == (0, 3, 24, 24)

@@ -141,3 +141,19 @@ def test_service_runs_with_gpu_decode(ray_cluster, tmp_path: Path, colour_jpegs:
     share = run.data.metrics["train/data_wait_share"]
     print(f"data wait share {share:.3f}")
     assert 0.0 <= share <= 1.0
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("resize_mode", ["shorter_side", "warp"])
+def test_batched_crops_on_cuda_equal_apply_per_image(interpolation: str, resize_mode: str) -> None:
+    """What the device decoder runs (`apply_batch`: one cast and one resample per image, rounding, flips and
+    the cast back batched) gives exactly what torchvision's per-image path gives on the GPU."""
+    augment = train_transform(32, resize_mode=resize_mode, interpolation=interpolation)
+    rng = np.random.default_rng(1)
+    shapes = [(120, 90), (300, 500), (37, 400), (64, 64), (333, 333)] * 6
+    images = [torch.from_numpy(pixels(rng, h, w)).permute(2, 0, 1).to(CUDA) for h, w in shapes]
+    torch.manual_seed(0)
+    params = [augment.draw(*image.shape[-2:]) for image in images]
+    batch = augment.apply_batch(images, params)
+    expected = torch.stack([augment.apply(image, p) for image, p in zip(images, params, strict=True)])
+    assert batch.device.type == "cuda" and torch.equal(batch, expected)

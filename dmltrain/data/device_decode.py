@@ -4,9 +4,10 @@ With ``decode="gpu"`` a loader worker only samples, reads the tar shards and dra
 flip (`TrainAugment.draw`: the same seeded draws, in the same order, as the CPU path), then ships its part
 still encoded (`EncodedPart`: the JPEG bytes back to back in one uint8 tensor, crop boxes, flip flags,
 labels). The training process joins the parts of a step and `DeviceDecoder` decodes them on the device in
-batched `torchvision.io.decode_jpeg` calls, then crops, resizes and flips each image there with the very
-`TrainAugment.apply` the CPU path runs. Host buffers are pinned and copied without blocking, on a side
-stream, so the work overlaps the training step when it runs one step ahead (the loader's join thread).
+batched `torchvision.io.decode_jpeg` calls, then crops, resizes and flips them there with
+`TrainAugment.apply_batch` (what `TrainAugment.apply` gives on that device, image for image, with less
+work per image on the host). Host buffers are pinned and copied without blocking, on a side stream, so the
+work overlaps the training step when it runs one step ahead (the loader's join thread).
 
 Per image, what nvJPEG should not see is decoded by PIL in the loader worker with the same parameters:
 PNG/WebP samples, greyscale or CMYK JPEGs, and JPEGs that do not end with their end-of-image marker
@@ -139,8 +140,8 @@ class DeviceDecoder:
     """Turns a joined `EncodedPart` into the uint8 (n, 3, S, S) batch on `device`.
 
     Encoded images are decoded in batches of `decode_batch` (bounding the device memory that full-size
-    decoded images take), each cropped/resized/flipped by `augment.apply`. On CUDA the work runs on a side
-    stream; the batch is ready when returned, and is recorded on the stream that was current where the
+    decoded images take), then cropped/resized/flipped by `augment.apply_batch`. On CUDA the work runs on a
+    side stream; the batch is ready when returned, and is recorded on the stream that was current where the
     decoder was made (the training thread's), so the allocator does not reuse it while training reads it.
     """
 
@@ -165,10 +166,10 @@ class DeviceDecoder:
         return batch
 
     def _run(self, part: EncodedPart, keys: Sequence[str]) -> torch.Tensor:
-        n = len(part)
-        images: list[torch.Tensor | None] = [None] * n
         sizes = part.sizes.tolist()
         encoded = [i for i, size in enumerate(sizes) if size]
+        ready = [i for i, size in enumerate(sizes) if not size]
+        pieces: list[tuple[list[int], torch.Tensor]] = []  # (batch positions, uint8 images there)
         if encoded:
             data = part.data.pin_memory() if self.cuda else part.data
             views = torch.split(data, [sizes[i] for i in encoded])
@@ -176,15 +177,21 @@ class DeviceDecoder:
             for start in range(0, len(encoded), self.decode_batch):
                 chunk = encoded[start : start + self.decode_batch]
                 decoded = self._decode(list(views[start : start + len(chunk)]), chunk, params, keys, part)
-                for i, image in zip(chunk, decoded, strict=True):
-                    p = params[i]
-                    images[i] = self.augment.apply(image, CropFlip(*p[:4], bool(p[_FLIP])))
-        if len(part.decoded):
+                boxes = [CropFlip(*params[i][:4], bool(params[i][_FLIP])) for i in chunk]
+                pieces.append((chunk, self.augment.apply_batch(decoded, boxes)))
+        if ready:
             done = part.decoded.pin_memory() if self.cuda else part.decoded
-            done = done.to(self.device, non_blocking=True)
-            for j, i in enumerate(i for i, size in enumerate(sizes) if not size):
-                images[i] = done[j]
-        return torch.stack(images)  # type: ignore[arg-type]
+            pieces.append((ready, done.to(self.device, non_blocking=True)))
+        if not pieces:
+            return torch.empty(
+                (0, 3, self.augment.size, self.augment.size), dtype=torch.uint8, device=self.device
+            )
+        if len(pieces) == 1:
+            return pieces[0][1]  # one piece holds every position, in order
+        batch = torch.empty((len(part), *pieces[0][1].shape[1:]), dtype=torch.uint8, device=self.device)
+        for positions, images in pieces:
+            batch.index_copy_(0, torch.tensor(positions, device=self.device), images)
+        return batch
 
     def _decode(
         self,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -188,8 +188,64 @@ class TrainAugment:
         )
         return out.squeeze(0)
 
+    def apply_batch(self, images: Sequence[torch.Tensor], params: Sequence[CropFlip]) -> torch.Tensor:
+        """uint8 images (C, H_i, W_i) on one device -> uint8 (n, C, size, size): `apply` to each, bit for bit.
+
+        Why: off the CPU, torchvision's uint8 resize casts to float, resamples, rounds and casts back, then
+        flips: five kernel launches and its dispatch per image, on the thread that feeds a GPU step of
+        thousands of images (the GPU decode path's, which holds the GIL meanwhile). Here each image costs a
+        cast and one resample; rounding, flips and the cast back run once on the batch. On the CPU, uint8
+        bilinear resizes natively (different rounding), so there it is `apply` image by image."""
+        if len(images) != len(params):
+            raise ValueError(f"{len(images)} images but {len(params)} crop parameters")
+        if not images:
+            return torch.empty((0, 3, self.size, self.size), dtype=torch.uint8)
+        if images[0].device.type == "cpu" or self.interpolation not in _RESAMPLE_MODES:
+            return torch.stack([self.apply(image, p) for image, p in zip(images, params, strict=True)])
+        return self.resample_batch(images, params)
+
+    def resample_batch(self, images: Sequence[torch.Tensor], params: Sequence[CropFlip]) -> torch.Tensor:
+        """`apply_batch` in float on any device: torchvision's non-native uint8 path (the one it takes on
+        CUDA), which rounds once after each resample. Public so a CPU test can check it."""
+        mode = _RESAMPLE_MODES[self.interpolation]
+        smooth = mode in ("bilinear", "bicubic")
+        options = {"mode": mode, "align_corners": False if smooth else None, "antialias": smooth}
+        square = (self.size, self.size)
+        crops = []
+        for image, (top, left, height, width, _) in zip(images, params, strict=True):
+            if self.warp is not None and tuple(image.shape[-2:]) != (self.warp, self.warp):
+                warped = nn_functional.interpolate(
+                    image[None].float(), size=(self.warp, self.warp), **options
+                )
+                image = warped[0].clamp_(0, 255).round_()  # torchvision returns uint8 in between
+            rows, cols = image.shape[-2:]
+            if (
+                top < 0 or left < 0 or top + height > rows or left + width > cols
+            ):  # never drawn; torchvision pads
+                crops.append(self._resized_crop(image.float(), top, left, height, width))
+                continue
+            crop = image[:, top : top + height, left : left + width].float()
+            if (height, width) != square:
+                crop = nn_functional.interpolate(crop[None], size=square, **options)[0]
+            crops.append(crop)
+        batch = torch.stack(crops).clamp_(0, 255).round_()
+        flips = [i for i, p in enumerate(params) if p.flip]
+        if flips:
+            index = torch.tensor(flips, device=batch.device)
+            batch.index_copy_(0, index, batch.index_select(0, index).flip(-1))
+        return batch.to(torch.uint8)
+
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         return self.apply(image, self.draw(*image.shape[-2:]))
+
+
+# What `TrainAugment.resample_batch` runs with `interpolate` (torchvision's other modes are PIL-only).
+_RESAMPLE_MODES = {
+    InterpolationMode.BILINEAR: "bilinear",
+    InterpolationMode.BICUBIC: "bicubic",
+    InterpolationMode.NEAREST: "nearest",
+    InterpolationMode.NEAREST_EXACT: "nearest-exact",
+}
 
 
 def train_transform(
