@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The CUDA checks and GPU figures still owed (issue 14), as one prepared run for a GPU machine lent for a
+# few minutes: each step runs under its own timeout, in priority order, while the deadline allows, and
+# leaves its log in $OUT (the device tool's output folder; /tmp/device-checks elsewhere).
+#
+#   bash bench/device_checks.sh                      # tests, then the service bench: 590 s in all
+#   bash bench/device_checks.sh 590 data engine      # a deadline and steps of: tests service data engine
+#
+# It installs .device-pack first when the machine lacks Ray (bash ../shared/tools/device_pack.sh
+# .device-pack builds it here). Steps:
+#   tests    pytest -m gpu: decode, engine precision/compile, streamed losses, prefetch, the GPU service runs
+#   service  bench/gpu.py --parts service --service-decode gpu: img/s, data wait, phases, vs the engine
+#   data     bench/data.py --quick: nvJPEG decode + batched crops against the per-image crops and PIL
+#   engine   bench/gpu.py --parts engine at B = 1,024 and 8,192 (chunked, eager / channels_last / compiled)
+set -uo pipefail
+deadline=$((SECONDS + ${1:-590}))
+[ $# -gt 0 ] && shift
+steps=("${@:-tests service data engine}")
+read -r -a steps <<<"${steps[*]}"
+out=${OUT:-/tmp/device-checks}
+mkdir -p "$out" && : >"$out/summary.txt"
+export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+
+if ! python3 -c "import ray" 2>/dev/null && [ -x .device-pack/install.sh ]; then
+  bash .device-pack/install.sh >"$out/install.log" 2>&1 || { echo "install failed: $out/install.log"; exit 1; }
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
+fi
+{ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+  git log --oneline -1 2>/dev/null || true; } | tee "$out/machine.txt"
+
+run() {  # run NAME SECONDS COMMAND...: within the deadline, logged, its exit status in the summary
+  local name=$1 limit=$2; shift 2
+  local left=$((deadline - SECONDS - 5))
+  if [ "$left" -lt 30 ]; then echo "$name: not run, $left s left" | tee -a "$out/summary.txt"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local start=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc in $((SECONDS - start)) s (limit $limit s$([ $rc -ge 124 ] && echo ', timed out'))" \
+    | tee -a "$out/summary.txt"
+}
+
+for step in "${steps[@]}"; do
+  case $step in
+    tests) run tests 240 python3 -m pytest -m gpu -rs -s -p no:cacheprovider tests/test_gpu.py \
+      tests/test_gpu_decode.py tests/test_losses_streamed.py tests/test_prefetch.py ;;
+    data) run data 120 python3 bench/data.py --quick --gpu-batch 128 ;;
+    service) run service 300 python3 bench/gpu.py --parts service --service-decode gpu \
+      --workdir /tmp/bench-gpu --json "$out/service.json" ;;
+    engine) run engine 300 python3 bench/gpu.py --parts engine --engine-sizes 1024 8192 \
+      --json "$out/engine.json" ;;
+    *) echo "unknown step $step (tests service data engine)"; exit 2 ;;
+  esac
+done
