@@ -127,6 +127,7 @@ def test_service_runs_with_gpu_decode(ray_cluster, tmp_path: Path, colour_jpegs:
             "train.global_batch_size=32",
             "train.chunk_size=16",
             "train.eval_at_start=false",
+            "train.compile=false",  # the decode path is under test; test_gpu.py's service run compiles
             f"eval.grid_queries={2 if has_faiss() else 0}",
         ],
     )
