@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 
@@ -40,3 +41,36 @@ def test_setup_logging_keeps_quiet_loggers_at_warning_or_above() -> None:
     finally:  # the loggers are process-wide: later tests see them as they were
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+@pytest.mark.service
+def test_rays_token_auth_notice_is_dropped_and_auth_stays_on(tmp_path) -> None:
+    """A local Ray start logs that token authentication is on; the service's setup drops that one WARNING
+    (the same start without it shows it, so a Ray that stops logging it fails here) and auth stays on."""
+    pytest.importorskip("ray")
+    code = (
+        "import os, sys, ray\n"
+        "if sys.argv[1] == 'setup':\n"
+        "    from dmltrain.service.logs import setup_logging\n"
+        "    setup_logging()\n"
+        "ray.init(num_cpus=1, include_dashboard=False)\n"
+        "print('auth mode', os.environ.get('RAY_AUTH_MODE'))\n"
+        "ray.shutdown()\n"
+    )
+    env = {**os.environ, "HOME": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_AUTH_MODE", None)
+    env.pop("RAY_ADDRESS", None)
+    runs = {
+        mode: subprocess.run(
+            [sys.executable, "-c", code, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=180,
+            env=env,
+        )
+        for mode in ("plain", "setup")
+    }
+    assert "Token authentication is enabled for this Ray cluster" in runs["plain"].stderr
+    assert "Token authentication is enabled" not in runs["setup"].stderr, runs["setup"].stderr
+    assert "auth mode token" in runs["setup"].stdout

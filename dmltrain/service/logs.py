@@ -4,6 +4,10 @@ The service logs at INFO so a run's progress shows in `ray job logs`. Some libra
 INFO that read like faults there: faiss's loader reports the separate AVX2 build it first looks for (wheels
 that ship one dynamically dispatched build never have it) as a ModuleNotFoundError before loading the build
 they do have. Those loggers are kept at WARNING, so a real failure to load still shows.
+
+Ray (2.5x) logs a WARNING at every start of a local cluster that it turned token authentication on, its
+default for new clusters: nothing to act on, and authentication stays on. That one message is dropped; the
+warning that authentication is *off* is not.
 """
 
 from __future__ import annotations
@@ -12,6 +16,19 @@ import logging
 
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 QUIET_LOGGERS = ("faiss.loader",)
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+RAY_AUTH_ON_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropNotice(logging.Filter):
+    """Drops the records of one logger whose message starts with `prefix`."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -19,3 +36,6 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format=FORMAT)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(max(level, logging.WARNING))
+    ray_auth = logging.getLogger(RAY_AUTH_LOGGER)
+    if not any(isinstance(f, _DropNotice) for f in ray_auth.filters):
+        ray_auth.addFilter(_DropNotice(RAY_AUTH_ON_NOTICE))
