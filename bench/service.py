@@ -50,6 +50,7 @@ import atexit
 import contextlib
 import itertools
 import json
+import math
 import os
 import re
 import socket
@@ -700,8 +701,11 @@ def _breakdown(
     rows: list[tuple[str, float]] = []
     if layout == "2x1":
         nosync, ddp = med("2x1", "bare_nosync"), med("2x1", "bare_ddp")
-        rows += [("process layout (2 x 1 thread vs 1 x 2), part 1", nosync - bare)]
-        rows += [("gradient all-reduce (DDP over gloo), part 1", ddp - nosync)]
+        if math.isnan(nosync) or math.isnan(ddp):  # --skip-steps: part 1 ran the bare loop only
+            print(f"  {layout}: part 1 skipped: the process layout and the all-reduce are in 'other' below")
+        else:
+            rows += [("process layout (2 x 1 thread vs 1 x 2), part 1", nosync - bare)]
+            rows += [("gradient all-reduce (DDP over gloo), part 1", ddp - nosync)]
     rows += [("engine collectives (sizes, all-gather, stats, dL/dE)", per["comm"])]
     rows += [("data (sampling + decode + augment)", per["data"])]
     explained = sum(v for _, v in rows)
