@@ -192,7 +192,7 @@ class TrainAugment:
         """uint8 images (C, H_i, W_i) on one device -> uint8 (n, C, size, size): `apply` to each, bit for bit.
 
         Why: off the CPU, torchvision's uint8 resize casts to float, resamples, rounds and casts back, then
-        flips: five kernel launches and its dispatch per image, on the thread that feeds a GPU step of
+        flips: four or five kernel launches and its dispatch per image, on the thread that feeds a GPU step of
         thousands of images (the GPU decode path's, which holds the GIL meanwhile). Here each image costs a
         cast and one resample; rounding, flips and the cast back run once on the batch. On the CPU, uint8
         bilinear resizes natively (different rounding), so there it is `apply` image by image."""
@@ -219,9 +219,8 @@ class TrainAugment:
                 )
                 image = warped[0].clamp_(0, 255).round_()  # torchvision returns uint8 in between
             rows, cols = image.shape[-2:]
-            if (
-                top < 0 or left < 0 or top + height > rows or left + width > cols
-            ):  # never drawn; torchvision pads
+            outside = top < 0 or left < 0 or top + height > rows or left + width > cols
+            if outside:  # never drawn; torchvision pads such a box
                 crops.append(self._resized_crop(image.float(), top, left, height, width))
                 continue
             crop = image[:, top : top + height, left : left + width].float()
