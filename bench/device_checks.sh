@@ -18,8 +18,8 @@
 set -uo pipefail
 deadline=$((SECONDS + ${1:-580}))
 [ $# -gt 0 ] && shift
-steps=("${@:-tests data}")
-read -r -a steps <<<"${steps[*]}"
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(tests data)
 out=${OUT:-/tmp/device-checks}
 mkdir -p "$out" && : >"$out/summary.txt"
 export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
