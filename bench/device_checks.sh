@@ -4,7 +4,7 @@
 # leaves its log in $OUT (the device tool's output folder; /tmp/device-checks elsewhere).
 #
 #   bash bench/device_checks.sh                      # the GPU tests, then the data bench: 580 s in all
-#   bash bench/device_checks.sh 590 service          # a deadline and steps of: tests data service engine
+#   bash bench/device_checks.sh 590 service unit     # a deadline and the steps to run, in order
 #
 # A session's device time (15 minutes, the machine's start included) fits one such call: the default
 # verifies first (the two GPU service tests have never finished on a GPU), the figures come next time.
@@ -12,6 +12,8 @@
 # It installs .device-pack first when the machine lacks Ray (bash ../shared/tools/device_pack.sh
 # .device-pack builds it here). Steps:
 #   tests    pytest -m gpu: decode, engine precision/compile, streamed losses, prefetch, the GPU service runs
+#   unit     the same without the two service runs (they start Ray and compile: minutes)
+#   service-tests   only those two service runs
 #   data     bench/data.py --quick: nvJPEG decode + batched crops against the per-image crops and PIL
 #   service  bench/gpu.py --parts service --service-decode gpu: img/s, data wait, phases, vs the engine
 #   engine   bench/gpu.py --parts engine at B = 1,024 and 8,192 (chunked, eager / channels_last / compiled)
@@ -44,15 +46,19 @@ run() {  # run NAME SECONDS COMMAND...: within the deadline, logged, its exit st
     | tee -a "$out/summary.txt"
 }
 
+gpu_tests=(tests/test_gpu.py tests/test_gpu_decode.py tests/test_losses_streamed.py tests/test_prefetch.py)
 for step in "${steps[@]}"; do
   case $step in
-    tests) run tests 420 python3 -m pytest -m gpu -rs -s -p no:cacheprovider tests/test_gpu.py \
-      tests/test_gpu_decode.py tests/test_losses_streamed.py tests/test_prefetch.py ;;
+    tests) run tests 420 python3 -m pytest -m gpu -rs -s -p no:cacheprovider "${gpu_tests[@]}" ;;
+    unit) run unit 200 python3 -m pytest -m "gpu and not service" -rs -p no:cacheprovider "${gpu_tests[@]}" ;;
+    service-tests) run service-tests 300 python3 -m pytest -m "gpu and service" -rs -s -p no:cacheprovider \
+      "${gpu_tests[@]}" ;;
     data) run data 120 python3 bench/data.py --quick --gpu-batch 128 ;;
     service) run service 300 python3 bench/gpu.py --parts service --service-decode gpu \
-      --workdir /tmp/bench-gpu --json "$out/service.json" ;;
+      --workdir /tmp/bench-gpu --json "$out/service.json"
+      cp /tmp/bench-gpu/service-decode-*.log "$out/" 2>/dev/null ;;
     engine) run engine 300 python3 bench/gpu.py --parts engine --engine-sizes 1024 8192 \
       --json "$out/engine.json" ;;
-    *) echo "unknown step $step (tests data service engine)"; exit 2 ;;
+    *) echo "unknown step $step (tests unit service-tests data service engine)"; exit 2 ;;
   esac
 done

@@ -561,8 +561,12 @@ def bench_service(
             note,
         )
     ]
+    print(f"  engine in memory: {_fmt(engine_rate, ',.0f')} img/s", file=sys.stderr, flush=True)
     for decode in decodes:
         rows.append(_service_run(plan, shards, workdir, device, decode, batch, engine_rate))
+        row = rows[-1]  # now, in case a later run outlives the caller's time limit
+        rate = _fmt(row.images_per_second, ",.0f")
+        print(f"  {row.case}: {rate} img/s; {row.note}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -589,6 +593,8 @@ def _service_run(
         check=False,
     )
     wall = time.perf_counter() - started
+    log = workdir / f"service-decode-{decode}.log"  # for a failure or a slow window: the run's own words
+    log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     found = re.search(r"MLflow run (\w+) in (\S+?);", proc.stdout)
     if proc.returncode != 0 or not found:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
