@@ -17,7 +17,9 @@ Parts:
 - service: generates a JPEG set (thousands of classes, 256 px), prepares WebDataset shards, runs
   `python -m dmltrain.run` on one GPU worker with a generated config, and reads images/s, data wait share,
   peak GPU memory and the seconds per step of each timed phase back from MLflow; against the engine (same
-  settings, plus the Adam step the service also takes) on the same images decoded once into memory. One run
+  settings, plus the Adam step the service also takes) on the same images decoded once into memory, and
+  (with a gpu decode run) that engine again while a thread decodes the JPEGs on the device one batch ahead,
+  as the service's loader does: the cost of the device decode path alone. One run
   per --service-decode value (data.decode; default cpu then gpu on CUDA, cpu elsewhere); the goals judge
   the fastest run.
 Ratios compare cases of the same run. GB = 10^9 bytes.
@@ -544,9 +546,6 @@ def bench_service(
     autocast = resolve_precision("auto", device).autocast_dtype
     step = _engine_steps(model, images, labels, plan, device, autocast, channels_last, False, optimizer)
     result, note = _guarded(lambda step=step: _measure(step, device, rounds), device)
-    del model, optimizer, images, step
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     engine_rate = batch / result[0] if result else None
     rows = [
         Row(
@@ -561,6 +560,11 @@ def bench_service(
             note,
         )
     ]
+    if "gpu" in decodes or "auto" in decodes:
+        rows.append(_engine_beside_the_decoder(step, jpegs, plan, device, rounds, engine_rate))
+    del model, optimizer, images, step
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     print(f"  engine in memory: {_fmt(engine_rate, ',.0f')} img/s", file=sys.stderr, flush=True)
     for decode in decodes:
         rows.append(_service_run(plan, shards, workdir, device, decode, batch, engine_rate))
@@ -568,6 +572,71 @@ def bench_service(
         rate = _fmt(row.images_per_second, ",.0f")
         print(f"  {row.case}: {rate} img/s; {row.note}", file=sys.stderr, flush=True)
     return rows
+
+
+def _engine_beside_the_decoder(
+    step, jpegs: Path, plan: dict, device: torch.device, rounds: int, engine_rate: float | None
+) -> Row:
+    """The in-memory engine again, each step taking one batch from a thread that decodes the same JPEGs
+    with `DeviceDecoder` one batch ahead (as the service's loader does with data.decode=gpu). The gap to
+    the engine alone is what the device decode path costs the step by itself (device time and the GIL,
+    plus any wait for a batch), apart from everything else the service does."""
+    import queue
+    import threading
+
+    from dmltrain.data.device_decode import DeviceDecoder, encode_part
+    from dmltrain.data.shards import Sample
+    from dmltrain.data.transforms import train_transform
+
+    batch = plan["service_batch"]
+    paths = [
+        p
+        for folder in sorted((jpegs / "train").iterdir())[: batch // 4]
+        for p in sorted(folder.glob("*.jpg"))[:4]
+    ]
+    samples = [
+        Sample(f"img{i}", p.read_bytes(), i // 4, 0, shard=0, url="memory") for i, p in enumerate(paths)
+    ]
+    augment = train_transform(plan["engine_size"])
+    torch.manual_seed(0)
+    part, keys = encode_part(samples, augment), [s.key for s in samples]
+    decoder = DeviceDecoder(augment, device, ["memory"])
+    ready: queue.Queue[torch.Tensor] = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def decode_ahead() -> None:
+        while not stop.is_set():
+            decoded = decoder(part, keys)
+            while not stop.is_set():
+                try:
+                    ready.put(decoded, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+
+    def paced_step() -> None:
+        ready.get()
+        step()
+
+    thread = threading.Thread(target=decode_ahead, name="decode-ahead", daemon=True)
+    thread.start()
+    try:
+        result, note = _guarded(lambda: _measure(paced_step, device, rounds), device)
+    finally:
+        stop.set()
+        thread.join()
+    rate = batch / result[0] if result else None
+    return Row(
+        "service",
+        f"the same, one batch a step from a thread decoding the JPEGs on {device.type} (DeviceDecoder)",
+        batch,
+        result and result[0],
+        rate,
+        result and result[1],
+        rate / engine_rate if rate and engine_rate else None,
+        "engine in memory (img/s)",
+        note,
+    )
 
 
 def _service_run(
