@@ -18,7 +18,8 @@
 #   service-tests   only those two service runs
 #   data     bench/data.py --quick: nvJPEG decode + batched crops against the per-image crops and PIL
 #   service  bench/gpu.py --parts service, decode=gpu then cpu: img/s, data wait, phases, vs the engine
-#            alone and vs the engine beside the device decoder
+#            alone and vs the engine beside the device decoder; a torch.profiler table and trace of one
+#            decode=gpu step (profile-decode-gpu/ in $OUT)
 #   engine   bench/gpu.py --parts engine at B = 1,024 and 8,192 (chunked, eager / channels_last / compiled)
 set -uo pipefail
 deadline=$((SECONDS + ${1:-580}))
@@ -59,7 +60,7 @@ for step in "${steps[@]}"; do
     data) run data 120 python3 bench/data.py --quick --gpu-batch 128 ;;
     service) run service 450 python3 bench/gpu.py --parts service --service-decode gpu cpu \
       --workdir /tmp/bench-gpu --json "$out/service.json"
-      cp /tmp/bench-gpu/service-decode-*.log "$out/" 2>/dev/null ;;
+      cp -r /tmp/bench-gpu/service-decode-*.log /tmp/bench-gpu/profile-decode-* "$out/" 2>/dev/null ;;
     engine) run engine 300 python3 bench/gpu.py --parts engine --engine-sizes 1024 8192 \
       --json "$out/engine.json" ;;
     *) echo "unknown step $step (tests unit service-tests data service engine)"; exit 2 ;;

@@ -19,7 +19,9 @@ Parts:
   peak GPU memory and the seconds per step of each timed phase back from MLflow; against the engine (same
   settings, plus the Adam step the service also takes) on the same images decoded once into memory, and
   (with a gpu decode run) that engine again while a thread decodes the JPEGs on the device one batch ahead,
-  as the service's loader does: the cost of the device decode path alone. One run
+  as the service's loader does: the cost of the device decode path alone. The gpu (or auto) run also
+  records one step after the measured ones with torch.profiler (train.profile_start) and prints the top
+  of its operator table; table and trace land in WORKDIR/profile-decode-gpu/. One run
   per --service-decode value (data.decode; default cpu then gpu on CUDA, cpu elsewhere); the goals judge
   the fastest run.
 Ratios compare cases of the same run. GB = 10^9 bytes.
@@ -410,10 +412,15 @@ def _worker_cpus() -> int:
     return max(1, min(8, (os.cpu_count() or 2) - 2))
 
 
-def _service_config(plan: dict, shards: Path, work: Path, use_gpu: bool, decode: str = "auto") -> Path:
+def _service_config(
+    plan: dict, shards: Path, work: Path, use_gpu: bool, decode: str = "auto", profile: bool = False
+) -> Path:
+    """The run's config. With `profile`, two steps more than the measured ones: a warm-up and one step
+    recorded by torch.profiler (train.profile_start), after the last measured window."""
     import yaml
 
     cpus = _worker_cpus()
+    measured = plan["service_steps"]
     config = {
         "data": {
             "root": str(shards),
@@ -427,7 +434,8 @@ def _service_config(plan: dict, shards: Path, work: Path, use_gpu: bool, decode:
         "loss": {"name": "smoothap", "temperature": 0.01},
         "optim": {"name": "adam", "lr": 1e-5},
         "train": {
-            "steps": plan["service_steps"],
+            "steps": measured + 2 if profile else measured,
+            **({"profile_start": measured + 2, "profile_steps": 1} if profile else {}),
             "global_batch_size": plan["service_batch"],
             "chunk_size": plan["chunk"],
             "log_every": plan["service_log_every"],
@@ -449,24 +457,28 @@ def _service_config(plan: dict, shards: Path, work: Path, use_gpu: bool, decode:
     return path
 
 
-def _service_metrics(uri: str, run_id: str) -> dict[str, float]:
-    """The last logged window (steady state: the first window holds compilation and loader start-up)."""
+def _service_metrics(uri: str, run_id: str, last_step: int) -> dict[str, float]:
+    """The last window logged up to `last_step` (steady state: the first window holds compilation and
+    loader start-up; steps after `last_step` were profiled)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     out = {}
     for key in ("train/images_per_second", "train/data_wait_share", "train/gpu_peak_memory_gb"):
-        history = sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
+        history = sorted(
+            (m for m in client.get_metric_history(run_id, key) if m.step <= last_step), key=lambda m: m.step
+        )
         if history:
             out[key] = history[-1].value
-    out["windows"] = len(client.get_metric_history(run_id, "train/images_per_second"))
-    out["phases"] = _last_window_phases(client, run_id)
+    rates = client.get_metric_history(run_id, "train/images_per_second")
+    out["windows"] = sum(m.step <= last_step for m in rates)
+    out["phases"] = _last_window_phases(client, run_id, last_step)
     tags = client.get_run(run_id).data.tags
     out["tags"] = {k: v for k, v in tags.items() if k.startswith("dmltrain.")}
     return out
 
 
-def _last_window_phases(client, run_id: str) -> dict[str, float]:
+def _last_window_phases(client, run_id: str, last_step: int) -> dict[str, float]:
     """Seconds per step of each phase the worker times (time/<phase>_seconds, cumulative, logged with every
     log line) over the last log window: where a step's time goes, for the gap to the engine. On CUDA the
     phases are host time: GPU work queued in one phase is waited for in the next that synchronises
@@ -475,7 +487,7 @@ def _last_window_phases(client, run_id: str) -> dict[str, float]:
         phase: {m.step: m.value for m in client.get_metric_history(run_id, f"time/{phase}_seconds")}
         for phase in ("step", "data", "engine", "update", "eval", "checkpoint", "loop")
     }
-    logged = sorted(history["step"])
+    logged = sorted(step for step in history["step"] if step <= last_step)
     if len(logged) < 2:
         return {}
     first, last = logged[-2:]
@@ -648,8 +660,11 @@ def _service_run(
     batch: int,
     engine_rate: float | None,
 ) -> Row:
-    """One `python -m dmltrain.run` with data.decode=`decode`; its row (or the failure's last lines)."""
-    config = _service_config(plan, shards, workdir, use_gpu=device.type == "cuda", decode=decode)
+    """One `python -m dmltrain.run` with data.decode=`decode`; its row (or the failure's last lines). The
+    decode=gpu run also records one step after the measured ones with torch.profiler: its operator table
+    goes to stderr, and table and trace to `workdir`/profile-decode-gpu/."""
+    profile = decode in ("gpu", "auto")
+    config = _service_config(plan, shards, workdir, device.type == "cuda", decode, profile=profile)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started = time.perf_counter()
@@ -670,7 +685,9 @@ def _service_run(
         return Row(
             "service", f"dmltrain.run, data.decode={decode}", batch, note="failed: " + " | ".join(tail)[-600:]
         )
-    metrics = _service_metrics(found.group(2), found.group(1))
+    metrics = _service_metrics(found.group(2), found.group(1), plan["service_steps"])
+    if profile:
+        _fetch_profile(found.group(2), found.group(1), workdir / f"profile-decode-{decode}")
     rate = metrics.get("train/images_per_second")
     peak = metrics.get("train/gpu_peak_memory_gb")
     tags = metrics["tags"]
@@ -692,6 +709,19 @@ def _service_run(
         + ", ".join(f"{phase} {seconds:.3f}" for phase, seconds in metrics["phases"].items()),
         metrics.get("train/data_wait_share"),
     )
+
+
+def _fetch_profile(uri: str, run_id: str, into: Path) -> None:
+    """The run's profile/ artifacts into `into`; the operator table's top rows to stderr."""
+    from mlflow.tracking import MlflowClient
+
+    try:
+        local = Path(MlflowClient(uri).download_artifacts(run_id, "profile", str(into)))
+    except Exception as exc:  # the figures stand without it
+        print(f"  no profile fetched: {exc}", file=sys.stderr, flush=True)
+        return
+    for table in sorted(local.glob("ops_*.txt")):
+        print("\n".join(table.read_text().splitlines()[:30]), file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------

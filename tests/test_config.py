@@ -88,6 +88,14 @@ def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
         load_config(path, ["train.steps"])
     with pytest.raises(ConfigError, match="divisible"):
         load_config(path, ["train.global_batch_size=129", "scaling.num_workers=2"])
+    profiled = load_config(path, ["train.profile_start=599", "train.profile_steps=2"])  # steps 599-600
+    assert (profiled.train.profile_start, profiled.train.profile_steps) == (599, 2)
+    with pytest.raises(
+        ConfigError, match=r"train\.profile_start=600 with train\.profile_steps=2 .* train\.steps=600"
+    ):
+        load_config(path, ["train.profile_start=600", "train.profile_steps=2"])
+    with pytest.raises(ConfigError, match=r"train\.profile_start"):
+        load_config(path, ["train.profile_start=0"])
 
 
 def test_worker_environment_keys(tmp_path: Path) -> None:

@@ -94,6 +94,8 @@ def test_run_logs_then_resumes_into_the_same_mlflow_run(
         "train.checkpoint_every=4",
         "train.eval_every=3",
         "mlflow.log_checkpoints=true",
+        "train.profile_start=2",  # steps 2-3 recorded by torch.profiler on rank 0 (step 1: warm-up)
+        "train.profile_steps=2",
     )  # evaluations off the checkpoint cadence: every rank must still checkpoint at the same steps
     outcome = launch(config)
     client = MlflowClient(outcome.tracking_uri)
@@ -111,6 +113,9 @@ def test_run_logs_then_resumes_into_the_same_mlflow_run(
     checkpoint = {"state.pt", "stream_rank0000.pt", "stream_rank0001.pt"}  # every rank's stream position
     assert {f"checkpoints/latest/{name}" for name in checkpoint} <= files
     assert {"plots/recall_at_k/step_0000006.png", "plots/retrievals/step_0000006.png"} <= files
+    assert {"profile/ops_steps_2-3.txt", "profile/trace_steps_2-3.json.gz"} <= files
+    ops = client.download_artifacts(outcome.mlflow_run_id, "profile/ops_steps_2-3.txt", str(tmp_path))
+    assert "aten::convolution" in Path(ops).read_text()  # the backbone's operators, by CPU time
     assert run.data.tags["dmltrain.checkpoint_step"] == "6"
     # Ray started the workers with the config's OpenMP policy, thread count and niceness (0: added to this
     # process's own, not Ray's 15), and the CPU workers' loaders yield to the step (data.loader_priority).
@@ -135,14 +140,19 @@ def test_run_logs_then_resumes_into_the_same_mlflow_run(
     assert client.get_run(outcome.mlflow_run_id).info.status == "FINISHED"
 
     # Relaunch with more steps: Ray restores the last checkpoint, MLflow continues the same run.
-    more = config.model_copy(update={"train": config.train.model_copy(update={"steps": 9})})
+    # The profile window may change on a resumed run (an execution setting): step 8 this time.
+    more = config.model_copy(
+        update={"train": config.train.model_copy(update={"steps": 9, "profile_start": 8, "profile_steps": 1})}
+    )
     again = launch(more)
     assert again.resumed and again.mlflow_run_id == outcome.mlflow_run_id
     assert _history(client, outcome.mlflow_run_id, "train/loss") == [2, 4, 6, 8, 9]
     assert _history(client, outcome.mlflow_run_id, "eval/test/recall_at_1") == [0, 3, 6, 9]
     tags = client.get_run(outcome.mlflow_run_id).data.tags
     assert tags["dmltrain.checkpoint_step"] == "9"
-    assert tags["dmltrain.segments"] == "1@0; 2@6 (train.steps: 6 -> 9)"
+    changes = "train.profile_start: 2 -> 8, train.profile_steps: 2 -> 1, train.steps: 6 -> 9"
+    assert tags["dmltrain.segments"] == f"1@0; 2@6 ({changes})"
+    assert "profile/ops_steps_8-8.txt" in _artifacts(client, outcome.mlflow_run_id, "profile")
 
     # On purpose: a new learning rate for one more step, recorded as segment 3 of the same run.
     onward = more.model_copy(

@@ -250,11 +250,28 @@ class TrainConfig(_Section):
         default=0.0, ge=0, description="Improvement of best_metric that counts as a new best."
     )
     seed: int = 0
+    profile_start: int | None = Field(
+        default=None,
+        ge=1,
+        description="Record steps from this one (1-based, after one unrecorded warm-up step) with "
+        "torch.profiler on rank 0: a Perfetto/Chrome trace and an operator table as MLflow artifacts "
+        "under profile/; null = off.",
+    )
+    profile_steps: int = Field(default=3, ge=1, description="How many steps profile_start records.")
 
     @model_validator(mode="after")
     def _check_best(self) -> TrainConfig:
         if self.early_stopping_patience is not None and self.best_metric is None:
             raise ValueError("early_stopping_patience needs train.best_metric (the metric it watches)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_profile(self) -> TrainConfig:
+        if self.profile_start is not None and self.profile_start + self.profile_steps - 1 > self.steps:
+            raise ValueError(
+                f"train.profile_start={self.profile_start} with train.profile_steps={self.profile_steps} "
+                f"records past train.steps={self.steps}"
+            )
         return self
 
 

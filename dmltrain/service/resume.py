@@ -38,6 +38,8 @@ RESUMABLE_KEYS = frozenset(
         "train.eval_at_start",
         "train.max_skipped_steps",
         "train.chunk_size",
+        "train.profile_start",
+        "train.profile_steps",
         "eval.batch_size",
         "eval.grid_queries",
         "run.max_failures",

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
 from dmltrain.service.logs import setup_logging
 from dmltrain.service.memory import peak_rss_mb, reset_peak_rss
 from dmltrain.service.prefetch import BatchPrefetcher
+from dmltrain.service.profiling import StepProfiler
 from dmltrain.service.tracking import RunLogger
 
 log = logging.getLogger("dmltrain.service.train")
@@ -288,6 +290,14 @@ class WorkerLoop:
         )
         self.step = 0
         self.times = _PhaseTimes()
+        first = config.train.profile_start
+        self.profiler = (
+            StepProfiler(
+                first, config.train.profile_steps, self.device, Path(tempfile.mkdtemp(prefix="dmltrain-"))
+            )
+            if self.rank == 0 and first is not None
+            else None
+        )
         # Metrics go to MLflow from a background thread: a step never waits for the tracking store.
         self.logger = RunLogger(tracking_uri, run_id, asynchronous=True) if self.rank == 0 else None
         if self.logger is not None:  # what data.decode resolved to (auto picks per worker)
@@ -566,7 +576,11 @@ class WorkerLoop:
         reset_peak_rss()  # train/peak_rss_mb: the training steps' peak, not the evaluation's
         window = _Window()
         while self.step < cfg.steps:
+            if self.profiler is not None:
+                self.profiler.before_step(self.step + 1)
             stats = self._train_step()
+            if self.profiler is not None:
+                self._upload_profile(self.profiler.after_step(self.step))
             self.times.add_step(stats)
             if not described:
                 self._describe_device()
@@ -621,6 +635,19 @@ class WorkerLoop:
                 break
         if self.logger is not None:
             self._finish()
+
+    def _upload_profile(self, files: list[Path]) -> None:
+        """Rank 0: the recorded steps' trace and operator table to MLflow (profile/), then off the disk."""
+        if not files or self.logger is None:
+            return
+        with self.times.phase("log"):
+            for path in files:
+                self.logger.log_file(path, "profile")
+        log.info(
+            "profile of the recorded steps logged to MLflow: %s",
+            ", ".join(f"profile/{p.name}" for p in files),
+        )
+        shutil.rmtree(files[0].parent, ignore_errors=True)
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self.logger is not None and metrics:
