@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,15 @@ def test_a_window_the_run_has_passed_records_nothing(tmp_path: Path) -> None:
         profiler.before_step(step)
         assert profiler.after_step(step) == []
     assert not list(tmp_path.iterdir())
+
+
+def test_without_a_folder_the_files_go_to_a_new_temporary_one() -> None:
+    files = _steps(StepProfiler(2, 1, torch.device("cpu")), 2)[2]
+    try:
+        assert [f.name for f in files] == ["ops_steps_2-2.txt", "trace_steps_2-2.json.gz"]
+        assert files[0].parent.name.startswith("dmltrain-profile-") and all(f.is_file() for f in files)
+    finally:
+        shutil.rmtree(files[0].parent)
 
 
 @pytest.mark.parametrize(("first", "steps"), [(0, 1), (1, 0)])

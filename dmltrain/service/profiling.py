@@ -9,6 +9,7 @@ CUDA kernel of every stream, the training thread's operators) and a table of the
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
@@ -18,20 +19,20 @@ from torch.profiler import ProfilerActivity, profile, schedule
 class StepProfiler:
     """Records steps ``first`` .. ``first + steps - 1`` (1-based, as the log lines count them), after one
     unrecorded warm-up step where there is one, and writes ``trace_steps_A-B.json.gz`` and
-    ``ops_steps_A-B.txt`` to ``out_dir``.
+    ``ops_steps_A-B.txt`` to ``out_dir`` (default: a new temporary folder, made only if the steps run).
 
     Call `before_step(n)` before step n runs and `after_step(n)` after it; `after_step` returns the files
     once the last recorded step is done (else an empty list).
     """
 
     def __init__(
-        self, first: int, steps: int, device: torch.device, out_dir: Path, row_limit: int = 60
+        self, first: int, steps: int, device: torch.device, out_dir: Path | None = None, row_limit: int = 60
     ) -> None:
         if first < 1 or steps < 1:
             raise ValueError(f"profile needs first >= 1 and steps >= 1, got first={first}, steps={steps}")
         self.first, self.last = first, first + steps - 1
         self.warmup = 1 if first > 1 else 0
-        self.device, self.out_dir, self.row_limit = device, Path(out_dir), row_limit
+        self.device, self.out_dir, self.row_limit = device, out_dir, row_limit
         self._profiler: profile | None = None
         self._files: list[Path] = []
 
@@ -64,12 +65,13 @@ class StepProfiler:
         return self._files
 
     def _write(self, prof: profile) -> None:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        trace = self.out_dir / f"trace_{self.name}.json.gz"
+        out = Path(self.out_dir or tempfile.mkdtemp(prefix="dmltrain-profile-"))
+        out.mkdir(parents=True, exist_ok=True)
+        trace = out / f"trace_{self.name}.json.gz"
         prof.export_chrome_trace(str(trace))
         sort_by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort_by, row_limit=self.row_limit)
-        ops = self.out_dir / f"ops_{self.name}.txt"
+        ops = out / f"ops_{self.name}.txt"
         ops.write_text(
             f"torch.profiler, steps {self.first}-{self.last} on {self.device}, operators by "
             f"{sort_by.replace('_', ' ')}; the trace opens in https://ui.perfetto.dev or chrome://tracing\n\n"

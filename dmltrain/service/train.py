@@ -292,9 +292,7 @@ class WorkerLoop:
         self.times = _PhaseTimes()
         first = config.train.profile_start
         self.profiler = (
-            StepProfiler(
-                first, config.train.profile_steps, self.device, Path(tempfile.mkdtemp(prefix="dmltrain-"))
-            )
+            StepProfiler(first, config.train.profile_steps, self.device)
             if self.rank == 0 and first is not None
             else None
         )
