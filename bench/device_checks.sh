@@ -3,7 +3,7 @@
 # few minutes: each step runs under its own timeout, in the order given, while the deadline allows, and
 # leaves its log in $OUT (the device tool's output folder; /tmp/device-checks elsewhere).
 #
-#   bash bench/device_checks.sh                      # the service bench, then the GPU unit tests: 580 s
+#   bash bench/device_checks.sh                      # the service bench (~8 min), then the GPU unit tests
 #   bash bench/device_checks.sh 590 unit data        # a deadline and the steps to run, in order
 #
 # A session's device time (15 minutes, the machine's start included) fits one such call and a short
@@ -58,7 +58,7 @@ for step in "${steps[@]}"; do
     service-tests) run service-tests 300 python3 -m pytest -m "gpu and service" -rs -s -p no:cacheprovider \
       "${gpu_tests[@]}" ;;
     data) run data 120 python3 bench/data.py --quick --gpu-batch 128 ;;
-    service) run service 450 python3 bench/gpu.py --parts service --service-decode gpu cpu \
+    service) run service 520 python3 bench/gpu.py --parts service --service-decode gpu cpu \
       --workdir /tmp/bench-gpu --json "$out/service.json"
       cp -r /tmp/bench-gpu/service-decode-*.log /tmp/bench-gpu/profile-decode-* "$out/" 2>/dev/null ;;
     engine) run engine 300 python3 bench/gpu.py --parts engine --engine-sizes 1024 8192 \
