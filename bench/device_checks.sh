@@ -46,8 +46,8 @@ run() {  # run NAME SECONDS COMMAND...: within the deadline, logged, its exit st
   local start=$SECONDS
   timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
-  echo "$name: exit $rc in $((SECONDS - start)) s (limit $limit s$([ $rc -ge 124 ] && echo ', timed out'))" \
-    | tee -a "$out/summary.txt"
+  { echo "$name: exit $rc in $((SECONDS - start)) s (limit $limit s$([ $rc -ge 124 ] && echo ', timed out'))"
+    echo "  last line: $(grep -v '^\s*$' "$out/$name.log" | tail -n 1 | cut -c1-300)"; } | tee -a "$out/summary.txt"
 }
 
 gpu_tests=(tests/test_gpu.py tests/test_gpu_decode.py tests/test_losses_streamed.py tests/test_prefetch.py)
