@@ -353,6 +353,7 @@ def test_batched_crops_are_torchvisions_off_cpu_path_pixel_for_pixel(
     side = 32 if resize_mode == "warp" else 24
     params[3] = CropFlip(0, 0, 24, 24, True)  # a crop of the output size: no resample
     params[4] = CropFlip(4, 2, min(side, 24), min(side, 24), False)
+    params[5] = CropFlip(-3, -2, 30, 28, True)  # never drawn, but a box past the edge is padded, as there
     assert any(p.flip for p in params) and not all(p.flip for p in params)
 
     monkeypatch.setattr(_geometry, "_do_native_uint8_resize_on_cpu", lambda interpolation: False)
