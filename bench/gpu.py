@@ -463,15 +463,14 @@ def _service_metrics(uri: str, run_id: str, last_step: int) -> dict[str, float]:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
-    out = {}
+    out, windows = {}, {}
     for key in ("train/images_per_second", "train/data_wait_share", "train/gpu_peak_memory_gb"):
-        history = sorted(
+        windows[key] = sorted(
             (m for m in client.get_metric_history(run_id, key) if m.step <= last_step), key=lambda m: m.step
         )
-        if history:
-            out[key] = history[-1].value
-    rates = client.get_metric_history(run_id, "train/images_per_second")
-    out["windows"] = sum(m.step <= last_step for m in rates)
+        if windows[key]:
+            out[key] = windows[key][-1].value
+    out["windows"] = len(windows["train/images_per_second"])
     out["phases"] = _last_window_phases(client, run_id, last_step)
     tags = client.get_run(run_id).data.tags
     out["tags"] = {k: v for k, v in tags.items() if k.startswith("dmltrain.")}

@@ -32,6 +32,7 @@ class StepProfiler:
             raise ValueError(f"profile needs first >= 1 and steps >= 1, got first={first}, steps={steps}")
         self.first, self.last = first, first + steps - 1
         self.warmup = 1 if first > 1 else 0
+        self.start = first - self.warmup  # the step the profiler starts before (the warm-up, if any)
         self.device, self.out_dir, self.row_limit = device, out_dir, row_limit
         self._profiler: profile | None = None
         self._files: list[Path] = []
@@ -41,7 +42,7 @@ class StepProfiler:
         return f"steps_{self.first}-{self.last}"
 
     def before_step(self, step: int) -> None:
-        if self._profiler is None and step == self.first - self.warmup:
+        if self._profiler is None and step == self.start:
             activities = [ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(ProfilerActivity.CUDA)
@@ -53,7 +54,7 @@ class StepProfiler:
             self._profiler.start()
 
     def after_step(self, step: int) -> list[Path]:
-        if self._profiler is None or not self.first - self.warmup <= step <= self.last:
+        if self._profiler is None or not self.start <= step <= self.last:
             return []
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's kernels belong to the step
