@@ -17,7 +17,11 @@ workers do (scaling.worker_niceness: auto = 0 on one CPU node adds nothing to it
 under the config's loader priority (data.loader_priority: auto = SCHED_IDLE for CPU training).
   bare loop           model(normalize(x)) -> loss -> backward -> Adam(fused=True) on the global batch, with
                       2 threads and with 1: the faster is the baseline (on a loaded machine a 2-thread
-                      step waits for its slower thread); also with torch's default Adam, for reference
+                      step waits for its slower thread); also with torch's default Adam, for reference.
+                      Its network computes as the service's does: with train.small_conv_matmul
+                      resolved the same way (auto: on CPU), so the ratio measures the service's overhead;
+                      "PyTorch's own small convs" is the same loop without that rewrite, what a plain
+                      loop gets (the service's ratio to it includes the rewrite's gain)
   bare, no sync       each of 2 processes the same on its half batch, no communication: the layout alone
   bare DDP            the same under DistributedDataParallel (local loss, gradient all-reduce over gloo)
   service step        the real WorkerLoop._train_step (engine: exact global-batch loss and gradient, DDP as
@@ -78,13 +82,22 @@ LAYOUTS = {  # Ray workers x torch threads on the 2 cores, and the overrides tha
     "1x2": {"workers": 1, "threads": 2},
 }
 GROUP_VARIANTS = {
-    "1x2": ["bare", "bare_1thread", "bare_default_adam", "service", "service_data", "service_data_normal"],
+    "1x2": [
+        "bare",
+        "bare_1thread",
+        "bare_default_adam",
+        "bare_onednn",
+        "service",
+        "service_data",
+        "service_data_normal",
+    ],
     "2x1": ["bare_nosync", "bare_ddp", "service", "service_data"],
 }
 LABELS = {
     "bare": "bare loop, Adam(fused=True)",
     "bare_1thread": "bare loop, Adam(fused=True), 1 thread",
     "bare_default_adam": "bare loop, torch's default Adam",
+    "bare_onednn": "bare loop, PyTorch's own small convs",
     "bare_nosync": "bare loop per half batch, no sync",
     "bare_ddp": "bare DDP loop (local loss)",
     "service": "service step, replayed batches",
@@ -152,14 +165,22 @@ def _bare_optimizer(name: str, params: Any, lr: float, fused: bool) -> torch.opt
     return kind(params, lr=lr, fused=fused or None, **extra)
 
 
-def _bare_step(config: Any, batches: list, ddp: bool, fused: bool) -> Callable[[int], dict[str, float]]:
-    """What a user writes without dmltrain: forward, loss, backward, optimizer step."""
+def _bare_step(
+    config: Any, batches: list, ddp: bool, fused: bool, service_convs: bool = True
+) -> Callable[[int], dict[str, float]]:
+    """What a user writes without dmltrain: forward, loss, backward, optimizer step. ``service_convs``: the
+    network's convolutions compute as in the service (train.small_conv_matmul), else PyTorch's own."""
+    from dmltrain.acceleration import resolve_small_conv_matmul
     from dmltrain.models import freeze_batchnorm
     from dmltrain.service.builders import build_loss, build_network, resolve_preprocessing
+    from dmltrain.small_convs import use_matmul_for_small_convs
 
     torch.manual_seed(config.train.seed)
     preprocessing = resolve_preprocessing(config)  # as the worker loop builds it
     net = build_network(config, preprocessing)
+    cpu = torch.device("cpu")
+    if service_convs and resolve_small_conv_matmul(config.train.small_conv_matmul, cpu):
+        use_matmul_for_small_convs(net)
     normalize = preprocessing.normalizer()
     net.train()
     if config.model.freeze_bn:
@@ -222,6 +243,7 @@ def _group_worker(rank: int, world: int, port: int, conn: Connection, spec: dict
             "bare": lambda: _bare_step(config, local, ddp=False, fused=True),
             "bare_1thread": lambda: _bare_step(config, local, ddp=False, fused=True),
             "bare_default_adam": lambda: _bare_step(config, local, ddp=False, fused=False),
+            "bare_onednn": lambda: _bare_step(config, local, ddp=False, fused=True, service_convs=False),
             "bare_nosync": lambda: _bare_step(config, local, ddp=False, fused=True),
             "bare_ddp": lambda: _bare_step(config, local, ddp=True, fused=True),
             "service": lambda: _service_step(config, local, False, rank, world, spec["run_id"], spec["uri"]),

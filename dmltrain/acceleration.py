@@ -27,6 +27,7 @@ __all__ = [
     "resolve_channels_last",
     "resolve_compile",
     "resolve_precision",
+    "resolve_small_conv_matmul",
 ]
 
 log = logging.getLogger("dmltrain.acceleration")
@@ -94,6 +95,13 @@ def resolve_compile(setting: Setting, device: torch.device) -> bool:
     """``auto``: compile on CUDA, where it doubled the chunked step's speed; eager on CPU (compile time)."""
     if setting == "auto":
         return device.type == "cuda"
+    return bool(setting)
+
+
+def resolve_small_conv_matmul(setting: Setting, device: torch.device) -> bool:
+    """``auto``: on CPU, where oneDNN is slow on convolutions with tiny outputs (see dmltrain.small_convs)."""
+    if setting == "auto":
+        return device.type == "cpu"
     return bool(setting)
 
 

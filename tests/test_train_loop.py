@@ -202,7 +202,8 @@ def test_compiled_channels_last_loop_computes_the_eager_step(
 ) -> None:
     """train.compile / train.channels_last forced on CPU: the first step's loss and gradient norm (before
     any update) equal the eager NCHW loop's. aot_eager instead of inductor keeps resnet18 quick to trace;
-    inductor itself is compared with eager in test_acceleration.py."""
+    inductor itself is compared with eager in test_acceleration.py. So does the loop with PyTorch's own
+    convolutions instead of train.small_conv_matmul's rewrite (on by default on CPU)."""
     import functools
 
     from dmltrain.acceleration import compile_network
@@ -212,7 +213,12 @@ def test_compiled_channels_last_loop_computes_the_eager_step(
         train_module, "compile_network", functools.partial(compile_network, backend="aot_eager")
     )
     first: dict[str, tuple[float, float]] = {}
-    for name, flags in (("eager", ()), ("fast", ("train.compile=true", "train.channels_last=true"))):
+    variants = {
+        "eager": (),
+        "fast": ("train.compile=true", "train.channels_last=true"),
+        "pytorch_convs": ("train.small_conv_matmul=false",),
+    }
+    for name, flags in variants.items():
         directory = tmp_path / name
         directory.mkdir()
         config, run_id, uri = _setup(directory, glyphs_root, "train.steps=1", "train.eval_every=100", *flags)
@@ -223,7 +229,10 @@ def test_compiled_channels_last_loop_computes_the_eager_step(
         norm = client.get_metric_history(run_id, "train/grad_norm")[0].value
         first[name] = (loss, norm)
         tags = client.get_run(run_id).data.tags
-        expected = ("true", "works") if flags else ("false", "eager")
+        expected = ("true", "works") if name == "fast" else ("false", "eager")
         assert (tags["dmltrain.channels_last"], tags["dmltrain.compile"]) == expected
-    assert first["fast"][0] == pytest.approx(first["eager"][0], rel=1e-5)
-    assert first["fast"][1] == pytest.approx(first["eager"][1], rel=1e-4)
+        rewritten = "0" if name == "pytorch_convs" else "20"  # resnet18's Conv2d layers
+        assert tags["dmltrain.small_conv_matmul"] == f"{rewritten} convolutions"
+    for name in ("fast", "pytorch_convs"):
+        assert first[name][0] == pytest.approx(first["eager"][0], rel=1e-5)
+        assert first[name][1] == pytest.approx(first["eager"][1], rel=1e-4)

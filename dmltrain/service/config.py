@@ -232,6 +232,11 @@ class TrainConfig(_Section):
     channels_last: bool | Literal["auto"] = Field(
         default="auto", description="channels_last memory format; auto = convolutional networks on CUDA."
     )
+    small_conv_matmul: bool | Literal["auto"] = Field(
+        default="auto",
+        description="Train convolutions with 1x1 or 2x2 outputs as matrix products over the batch "
+        "(oneDNN took up to 9x longer on them on CPU; dmltrain.small_convs); auto = on CPU.",
+    )
     max_skipped_steps: int = Field(
         default=20, ge=0, description="Consecutive non-finite losses tolerated before the run fails."
     )

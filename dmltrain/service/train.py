@@ -30,6 +30,7 @@ from dmltrain.acceleration import (
     resolve_channels_last,
     resolve_compile,
     resolve_precision,
+    resolve_small_conv_matmul,
 )
 from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
 from dmltrain.data.loader import WorkerPriority
@@ -65,6 +66,7 @@ from dmltrain.service.memory import peak_rss_mb, reset_peak_rss
 from dmltrain.service.prefetch import BatchPrefetcher
 from dmltrain.service.profiling import StepProfiler
 from dmltrain.service.tracking import RunLogger
+from dmltrain.small_convs import use_matmul_for_small_convs
 
 log = logging.getLogger("dmltrain.service.train")
 
@@ -237,6 +239,11 @@ class WorkerLoop:
         self.channels_last = resolve_channels_last(config.train.channels_last, self.device, model)
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
+        self.small_convs = (
+            use_matmul_for_small_convs(model)
+            if resolve_small_conv_matmul(config.train.small_conv_matmul, self.device)
+            else 0
+        )
         if resolve_compile(config.train.compile, self.device):
             compile_network(model)  # in place, before DDP wraps it (see dmltrain.acceleration)
         self.model = ray_ctx.prepare_model(model)
@@ -555,6 +562,7 @@ class WorkerLoop:
             "dmltrain.precision": self.precision.name,
             "dmltrain.channels_last": str(self.channels_last).lower(),
             "dmltrain.compile": compile_state(self.net),
+            "dmltrain.small_conv_matmul": f"{self.small_convs} convolutions",
             # what the workers actually run with (Ray and the environment can differ)
             "dmltrain.torch_threads": str(torch.get_num_threads()),
             "dmltrain.omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
