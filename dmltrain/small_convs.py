@@ -27,7 +27,7 @@ from torch import Tensor, nn
 __all__ = ["SmallOutputConv2d", "small_conv_path", "use_matmul_for_small_convs", "weight_grad_by_gemm"]
 
 _Pair = tuple[int, int]
-Path = Literal["tap", "gemm_weight_grad", "native"]
+ConvPath = Literal["tap", "gemm_weight_grad", "native"]
 
 
 def weight_grad_by_gemm(
@@ -71,7 +71,7 @@ def _output_size(conv: nn.Conv2d, x: Tensor) -> tuple[int, int]:
     return h, w
 
 
-def small_conv_path(conv: nn.Conv2d, x: Tensor) -> Path:
+def small_conv_path(conv: nn.Conv2d, x: Tensor) -> ConvPath:
     """Which computation `SmallOutputConv2d` uses for this call (see the module docstring)."""
     if x.device.type != "cpu" or x.dim() != 4 or torch.is_autocast_enabled("cpu"):
         return "native"
