@@ -545,7 +545,7 @@ def main() -> None:
     # The bare loops and the service steps run under the OpenMP settings Ray gives the service's workers.
     # Only OpenMP's: RAY_worker_niceness in this environment would reach every Ray process of part 2 through
     # the driver, where the service gives it to its training workers alone.
-    os.environ.update({key: value for key, value in worker_env.items() if key.startswith("OMP_")})
+    os.environ.update({key: value for key, value in worker_env.items() if "OMP_" in key})
     jobs = [(layout, v) for layout, variants in group_variants.items() for v in variants]
     try:
         for layout, variants in group_variants.items():

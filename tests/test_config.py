@@ -103,7 +103,7 @@ def test_worker_environment_keys(tmp_path: Path) -> None:
 
     path = CONFIGS[0].parent / "quickstart.yaml"
     assert worker_env_vars(load_config(path)) == {
-        "OMP_WAIT_POLICY": "PASSIVE",
+        "GOMP_SPINCOUNT": "10000",  # brief: spin about 0.1 ms, then sleep
         "RAY_worker_niceness": "0",
         "DMLTRAIN_LOADER_PRIORITY": "idle",
     }
@@ -126,6 +126,12 @@ def test_worker_environment_keys(tmp_path: Path) -> None:
         load_config(path, ["scaling.worker_niceness=-5"])
     with pytest.raises(ConfigError, match=r"data\.loader_priority"):
         load_config(path, ["data.loader_priority=low"])
+    for policy, expected in [
+        ("passive", {"OMP_WAIT_POLICY": "PASSIVE"}),
+        ("active", {"OMP_WAIT_POLICY": "ACTIVE"}),
+    ]:
+        env = worker_env_vars(load_config(path, [f"scaling.omp_wait_policy={policy}"]))
+        assert {k: v for k, v in env.items() if "OMP" in k} == expected
     with pytest.raises(ConfigError, match=r"scaling\.omp_wait_policy"):
         load_config(path, ["scaling.omp_wait_policy=spin"])
 

@@ -98,15 +98,22 @@ def resolve_paths(config: ExperimentConfig, base: Path | None = None) -> Experim
     return ExperimentConfig.model_validate(data)
 
 
+# scaling.omp_wait_policy as environment. "brief": GNU OpenMP spins GOMP_SPINCOUNT times (about 100,000 a
+# millisecond) before it sleeps; the count overrides OMP_WAIT_POLICY, so an inherited policy cannot undo it.
+OMP_WAIT_ENV: dict[str | None, dict[str, str]] = {
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "brief": {"GOMP_SPINCOUNT": "10000"},
+    "active": {"OMP_WAIT_POLICY": "ACTIVE"},
+}
+
+
 def worker_env_vars(
     config: ExperimentConfig, multi_node: bool = False, use_gpu: bool = False
 ) -> dict[str, str]:
-    """Environment the training workers start with. OpenMP reads OMP_WAIT_POLICY once, when torch loads,
+    """Environment the training workers start with. OpenMP reads its wait settings once, when torch loads,
     and Ray's core worker applies RAY_worker_niceness once, when it starts, so both have to be in the
     worker's environment from the start (Ray's worker runtime env)."""
-    env = {}
-    if config.scaling.omp_wait_policy is not None:
-        env["OMP_WAIT_POLICY"] = config.scaling.omp_wait_policy.upper()
+    env = dict(OMP_WAIT_ENV.get(config.scaling.omp_wait_policy, {}))
     # The measured case: CPU training beside its loaders on one node. SCHED_IDLE loaders pay only with the
     # workers at niceness 0 (bench/service.py); elsewhere both stay as Ray and the OS have them (with idle
     # loaders on the 2-core multi-node test bed, two of four CI runs had a run outpace its node-loss test).

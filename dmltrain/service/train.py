@@ -208,6 +208,14 @@ def _loader_priority(setting: str, device: torch.device) -> WorkerPriority:
     return "idle" if setting == "idle" else "normal"  # the config allows only auto, idle, normal
 
 
+def _omp_wait_settings() -> str:
+    """The OpenMP wait settings this process runs with, for the run's tags: GOMP_SPINCOUNT, when set,
+    overrides OMP_WAIT_POLICY in GNU OpenMP (scaling.omp_wait_policy: brief)."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "unset")
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    return f"{policy} (GOMP_SPINCOUNT={spin})" if spin else policy
+
+
 def _grad_norm(parameters: list[nn.Parameter], clip: float | None) -> float:
     """Global gradient norm (clipping to ``clip`` if set); inf/NaN when a gradient is not finite."""
     grads = [p for p in parameters if p.grad is not None]
@@ -565,7 +573,7 @@ class WorkerLoop:
             "dmltrain.small_conv_matmul": f"{self.small_convs} convolutions",
             # what the workers actually run with (Ray and the environment can differ)
             "dmltrain.torch_threads": str(torch.get_num_threads()),
-            "dmltrain.omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+            "dmltrain.omp_wait_policy": _omp_wait_settings(),
             "dmltrain.worker_niceness": str(os.nice(0)),
             "dmltrain.loader_priority": self.stream.worker_priority,
         }
