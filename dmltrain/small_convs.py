@@ -77,12 +77,15 @@ def small_conv_path(conv: nn.Conv2d, x: Tensor) -> ConvPath:
         return "native"
     if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
         return "native"
+    weight_grad = torch.is_grad_enabled() and conv.weight.requires_grad
+    if not (conv.training or weight_grad):  # evaluation and serving: neither rewrite applies
+        return "native"
     out = _output_size(conv, x)
     one_pixel = tuple(x.shape[-2:]) == (1, 1) == out and conv.dilation == (1, 1)
     padding, kernel = conv.padding, conv.kernel_size
     if conv.training and one_pixel and all(p < k for p, k in zip(padding, kernel, strict=True)):  # type: ignore[operator]
         return "tap"
-    if not (torch.is_grad_enabled() and conv.weight.requires_grad):
+    if not weight_grad:
         return "native"
     pixels = out[0] * out[1]
     if pixels == 1 or (pixels <= 4 and conv.kernel_size != (1, 1)):
