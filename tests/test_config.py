@@ -127,8 +127,8 @@ def test_worker_environment_keys(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"data\.loader_priority"):
         load_config(path, ["data.loader_priority=low"])
     for policy, expected in [
-        ("passive", {"OMP_WAIT_POLICY": "PASSIVE"}),
-        ("active", {"OMP_WAIT_POLICY": "ACTIVE"}),
+        ("passive", {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}),
+        ("active", {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000000000"}),
     ]:
         env = worker_env_vars(load_config(path, [f"scaling.omp_wait_policy={policy}"]))
         assert {k: v for k, v in env.items() if "OMP" in k} == expected
