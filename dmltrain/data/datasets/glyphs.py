@@ -25,6 +25,7 @@ DEFAULT_MIN_FACES = 12
 DEFAULT_IMAGE_SIZE = 64
 DEFAULT_UNICODE_CATEGORIES = "LN"  # letters and digits
 _UNMAPPED = 0x10FFFD  # a private-use code point no shipped face maps: renders the missing-glyph box
+_INVERT = [255 - v for v in range(256)]  # as a table: Image.point calls a function 256 times per image
 
 
 def font_dir() -> Path:
@@ -68,7 +69,7 @@ def render_glyph(font: ImageFont.FreeTypeFont, char: str, size: int) -> bytes | 
         ink = ink.resize((max(1, round(ink.width * scale)), max(1, round(ink.height * scale))), Image.LANCZOS)
     out = Image.new("L", (size, size), 0)
     out.paste(ink, ((size - ink.width) // 2, (size - ink.height) // 2))
-    out = out.point(lambda v: 255 - v)
+    out = out.point(_INVERT)
     buffer = io.BytesIO()
     out.save(buffer, format="PNG", optimize=False)
     return buffer.getvalue()
