@@ -51,12 +51,9 @@ def _idle_cpu_seconds(env: dict[str, str]) -> float:
 @needs_gnu_openmp
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs for a second OpenMP thread")
 def test_policy_holds_against_an_inherited_spin_count() -> None:
-    # control: the policy alone loses to an inherited count (what the environment must guard against)
-    # (thresholds far from both ends: a spinning thread burns about 1.0 s of the 1.0, a sleeping one < 0.01)
-    assert _idle_cpu_seconds({"GOMP_SPINCOUNT": "infinite", "OMP_WAIT_POLICY": "PASSIVE"}) > 0.3
+    # A spinning thread burns about 1.0 s of the 1.0, a sleeping one < 0.01: thresholds far from both ends.
+    # Without their own count (OMP_WAIT_POLICY alone) both cases below fail: the inherited count wins.
     passive = _idle_cpu_seconds({"GOMP_SPINCOUNT": "infinite", **OMP_WAIT_ENV["passive"]})
-    brief = _idle_cpu_seconds({"GOMP_SPINCOUNT": "infinite", **OMP_WAIT_ENV["brief"]})
     active = _idle_cpu_seconds({"GOMP_SPINCOUNT": "0", **OMP_WAIT_ENV["active"]})
     assert passive < 0.1, f"passive: idle thread burned {passive:.2f} s of 1.0"
-    assert brief < 0.1, f"brief: idle thread burned {brief:.2f} s of 1.0"
     assert active > 0.3, f"active: idle thread burned only {active:.2f} s of 1.0"

@@ -100,7 +100,7 @@ def resolve_paths(config: ExperimentConfig, base: Path | None = None) -> Experim
 
 # scaling.omp_wait_policy as environment. "brief": GNU OpenMP spins GOMP_SPINCOUNT times (about 100,000 a
 # millisecond) before it sleeps. In GNU OpenMP the count overrides OMP_WAIT_POLICY, so every policy sets it:
-# an inherited count (the driver's environment reaches the workers) cannot undo the policy chosen here.
+# an inherited count (Ray's workers inherit the environment its local processes start in) cannot undo it.
 # passive and active give the counts GNU OpenMP derives from the policy itself (0; 3e10, about 5 minutes).
 OMP_WAIT_ENV: dict[str | None, dict[str, str]] = {
     "passive": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"},
