@@ -315,8 +315,8 @@ class ScalingConfigSection(_Section):
         "about 0.1 ms, then sleep (GNU OpenMP's GOMP_SPINCOUNT=10000; torch's Linux wheels use GNU "
         "OpenMP), passive = sleep at once (OMP_WAIT_POLICY=PASSIVE, count 0), active = spin "
         "(OMP_WAIT_POLICY=ACTIVE); each sets GOMP_SPINCOUNT, which in GNU OpenMP beats an inherited policy "
-        "or count; "
-        "None = inherit the environment (GNU's default spins about 3 ms, which starves SCHED_IDLE loaders). "
+        "or count; None = inherit the environment (GNU's default spins about 3 ms, which starves SCHED_IDLE "
+        "loaders). "
         "brief: 150-step quickstarts on the AVX2 machine stepped 1.48x as fast as passive (README).",
     )
     worker_niceness: Literal["auto"] | Annotated[int, Field(ge=0, le=19)] | None = Field(

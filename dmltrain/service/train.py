@@ -210,7 +210,7 @@ def _loader_priority(setting: str, device: torch.device) -> WorkerPriority:
 
 def _omp_wait_settings() -> str:
     """The OpenMP wait settings this process runs with, for the run's tags: GOMP_SPINCOUNT, when set,
-    overrides OMP_WAIT_POLICY in GNU OpenMP (scaling.omp_wait_policy: brief)."""
+    overrides OMP_WAIT_POLICY in GNU OpenMP, so the tag shows both (every scaling.omp_wait_policy sets it)."""
     policy = os.environ.get("OMP_WAIT_POLICY", "unset")
     spin = os.environ.get("GOMP_SPINCOUNT")
     return f"{policy} (GOMP_SPINCOUNT={spin})" if spin else policy
