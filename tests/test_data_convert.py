@@ -14,7 +14,9 @@ import pytest
 from PIL import Image
 
 from dmltrain.data import ensure_glyphs, load_dataset_info, prepare
+from dmltrain.data.datasets.base import SourceDataset
 from dmltrain.data.datasets.glyphs import base_character, faithful_codepoints, font_files, scan_glyphs
+from dmltrain.data.prepare import prepare_dataset
 from dmltrain.data.shards import read_shard
 from dmltrain.service.cli import main as cli_main
 
@@ -305,6 +307,25 @@ def test_small_glyph_build(tmp_path: Path) -> None:
     assert info.num_classes == 40 and info.splits["train"].num_classes == 20
     image = Image.open(__import__("io").BytesIO(next(read_shard(info.shard_urls(tmp_path, "train")[0])).data))
     assert image.size == (32, 32)
+
+
+def test_glyph_build_same_with_worker_processes(tmp_path: Path) -> None:
+    """Rendering and shard writing in forked workers give the sequential build's items and bytes."""
+
+    def items(source: SourceDataset) -> list[tuple[str, str, str, bytes | None]]:
+        return [(it.split, it.class_name, it.path, it.data) for it in source.items]
+
+    one = scan_glyphs(min_faces=12, image_size=32, max_classes=40)
+    two = scan_glyphs(min_faces=12, image_size=32, max_classes=40, workers=2)
+    assert len(one.items) >= 480 and items(two) == items(one)
+    shards = {}
+    for workers in (1, 2):
+        out = tmp_path / f"workers{workers}"
+        prepare_dataset(
+            lambda: one, out, source_format="glyphs", source_desc="test", shard_size=64, workers=workers
+        )
+        shards[workers] = {p.name: p.read_bytes() for p in sorted(out.glob("*.tar"))}
+    assert len(shards[1]) > 2 and shards[2] == shards[1]
 
 
 def test_default_glyphs_two_processes_build_once(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from dmltrain.data.datasets.glyphs import (
     glyphs_source_desc,
     scan_glyphs,
 )
+from dmltrain.data.pools import available_cpus
 from dmltrain.data.prepare import prepare_dataset
 
 __all__ = ["DEFAULT_IMAGE_SIZE", "DEFAULT_MIN_FACES", "ensure_glyphs"]
@@ -29,21 +30,25 @@ def ensure_glyphs(
     seed: int = 0,
     shard_size: int | None = None,
     progress: bool = False,
+    workers: int | None = None,
 ) -> Path:
     """Build the glyph shards into `out_dir` unless an identical build is there; returns `out_dir`.
 
     Safe to call from several processes at once: the build runs under a file lock and the second caller
-    finds the finished `dataset.json`.
+    finds the finished `dataset.json`. `workers` processes render and write (default: the CPUs this
+    process may use, up to 8; the same shards for any number).
     """
+    workers = available_cpus() if workers is None else workers
     options = {"min_faces": min_faces, "image_size": image_size, "test_fraction": test_fraction, "seed": seed}
     desc = glyphs_source_desc(**options, shard_size=shard_size)
     prepare_dataset(
-        lambda: scan_glyphs(**options),
+        lambda: scan_glyphs(**options, workers=workers),
         out_dir,
         source_format="glyphs",
         source_desc=desc,
         shard_size=shard_size,
         progress=progress,
+        workers=workers,
         reuse_if=lambda info: info.source_format == "glyphs" and info.source == desc,
     )
     return Path(out_dir)

@@ -21,7 +21,6 @@ import re
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from dmltrain.data.metadata import (
     SkippedFile,
     SplitInfo,
 )
+from dmltrain.data.pools import process_pool
 from dmltrain.data.shards import ShardEntry, ShardRecord, write_shard
 
 PROGRESS_NAME = ".dmltrain-prepare.json"
@@ -229,16 +229,16 @@ def _write_all(
         bar.update(record.num_samples + len(record.skipped))
 
     try:
-        if workers > 1 and len(todo) > 1:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
+        with process_pool(workers if len(todo) > 1 else 1) as pool:
+            if pool is None:
+                for split, name, entries in todo:
+                    finish(_write_one(str(out), split, name, entries, resize))
+            else:
                 futures = [
                     pool.submit(_write_one, str(out), s, name, entries, resize) for s, name, entries in todo
                 ]
                 for future in futures:
                     finish(future.result())
-        else:
-            for split, name, entries in todo:
-                finish(_write_one(str(out), split, name, entries, resize))
     finally:
         bar.close()
     records: dict[str, list[ShardRecord]] = defaultdict(list)
