@@ -285,6 +285,13 @@ class EvalConfig(_Section):
     batch_size: int = Field(default=128, ge=1)
     max_images: int | None = Field(default=None, ge=2, description="Cap for quick checks; None = all.")
     grid_queries: int = Field(default=8, ge=0, description="Queries in the retrieval-grid plot.")
+    cache_mb: int = Field(
+        default=1024,
+        ge=0,
+        description="Host memory (MB) each training worker may keep its test images in, decoded, after their "
+        "first evaluation: later evaluations skip reading and decoding. Splits that do not fit are read "
+        "every time; 0 = off.",
+    )
     index: Literal["exact", "auto", "flat", "ivfpq", "hnsw"] = Field(
         default="exact",
         description="exact: blocked matmul ranking (every metric incl. full mAP); a faiss kind: k-NN metrics "

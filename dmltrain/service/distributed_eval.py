@@ -3,10 +3,14 @@
 Splitting the embedding work keeps evaluation as parallel as training; the metrics themselves need the
 whole split in one place, so embeddings (B x D floats, small next to the images) are gathered. For the
 retrieval-grid plot each rank keeps tiny thumbnails of its own images and sends only those the grid shows.
+A run evaluates the same images many times through a deterministic test transform, so each worker keeps
+its part of a split, decoded, after the first evaluation when it fits ``eval.cache_mb``.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +33,55 @@ if TYPE_CHECKING:
     from dmltrain.service.tracking import RunLogger
 
 THUMBNAIL_SIZE = 48
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # uint8 images after the test transform, labels
+
+
+class EvalImageCache:
+    """This worker's test images after the test transform, kept from the first evaluation of each split.
+
+    Later evaluations embed the same batches in the same order without reading or decoding a shard (a
+    quarter of an evaluation's time in the quickstart; most of it on a GPU, where decoding sets the pace).
+    Splits are kept while their sum fits ``budget_bytes``; one that does not is streamed every time.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self._splits: dict[str, list[Batch]] = {}
+        self._streamed: set[str] = set()
+
+    def batches(self, split: str) -> list[Batch] | None:
+        return self._splits.get(split)
+
+    def collect(self, split: str, batches: Iterator[Batch]) -> Iterator[Batch]:
+        """Pass ``batches`` through, keeping copies; once the whole split has passed, store it if it fit."""
+        if split in self._splits or split in self._streamed or self.budget_bytes <= 0:
+            yield from batches
+            return
+        kept: list[Batch] | None = []
+        size = 0
+        for images, labels in batches:
+            if kept is not None:
+                size += images.nbytes + labels.nbytes
+                if self.used_bytes + size <= self.budget_bytes:
+                    # a copy: a loader process's batch lives in shared memory, one file descriptor each
+                    kept.append((images.clone(), labels.clone()))
+                else:
+                    kept = None
+            yield images, labels
+        if kept is None:
+            self._streamed.add(split)
+            log.info(
+                "evaluation: the %s split's images take more than eval.cache_mb (%d MB) on this worker: read "
+                "from the shards at every evaluation",
+                split,
+                self.budget_bytes >> 20,
+            )
+        else:
+            self._splits[split] = kept
+            self.used_bytes += size
 
 
 @dataclass
@@ -39,6 +92,16 @@ class EmbeddedSplit:
     labels: torch.Tensor
     sizes: list[int]
     thumbnails: dict[int, np.ndarray] = field(default_factory=dict)  # this rank's rows only, global index
+
+
+def _first_images(loader: EvalLoader, limit: int | None) -> Iterator[Batch]:
+    """The loader's batches until ``limit`` images (``eval.max_images`` per rank) have passed."""
+    seen = 0
+    for images, labels, _categories, _keys in loader:
+        if limit is not None and seen >= limit:
+            return
+        yield images, labels
+        seen += len(images)
 
 
 def _thumbnail(images: torch.Tensor) -> torch.Tensor:
@@ -59,40 +122,44 @@ def embed_split(
     keep_thumbnails: bool,
     autocast_dtype: torch.dtype | None = None,
     preprocessing: PreprocessConfig | None = None,
+    cache: EvalImageCache | None = None,
 ) -> EmbeddedSplit:
     """Embed this rank's shards of ``split`` and gather every rank's rows (in rank order).
 
-    ``preprocessing`` is the run's resolved test-time preprocessing (default: resolved from the config).
+    ``preprocessing`` is the run's resolved test-time preprocessing (default: resolved from the config);
+    ``cache`` keeps the decoded images for the next evaluation (the same preprocessing every time).
     """
     if preprocessing is None:
         preprocessing = resolve_preprocessing(config)
     normalize = preprocessing.normalizer()
-    loader = EvalLoader(
-        config.data.root,
-        split,
-        config.eval.batch_size,
-        rank=rank,
-        world_size=world,
-        num_workers=config.data.loader_workers,
-        transform=preprocessing.test_transform(),
-        info=info,
-    )
+    batches: Iterator[Batch]
+    cached = cache.batches(split) if cache is not None else None
+    if cached is not None:
+        batches, total = iter(cached), sum(len(batch_labels) for _, batch_labels in cached)
+    else:
+        loader = EvalLoader(
+            config.data.root,
+            split,
+            config.eval.batch_size,
+            rank=rank,
+            world_size=world,
+            num_workers=config.data.loader_workers,
+            transform=preprocessing.test_transform(),
+            info=info,
+        )
+        limit = None if config.eval.max_images is None else config.eval.max_images // world
+        batches, total = _first_images(loader, limit), loader.num_samples
+        if cache is not None:
+            batches = cache.collect(split, batches)
     was_training = net.training
     net.eval()
     chunks, labels, thumbs = [], [], []
-    limit = config.eval.max_images
-    seen = 0
-    progress = tqdm(
-        total=loader.num_samples, desc=f"embed {split}", unit="img", disable=rank != 0, leave=False
-    )
-    for images, batch_labels, _categories, _keys in loader:
-        if limit is not None and seen >= limit // world:
-            break
+    progress = tqdm(total=total, desc=f"embed {split}", unit="img", disable=rank != 0, leave=False)
+    for images, batch_labels in batches:
         chunks.append(embed_batch(net, images, device, autocast_dtype, normalize))
         labels.append(batch_labels)
         if keep_thumbnails:
             thumbs.append(_thumbnail(images))
-        seen += len(images)
         progress.update(len(images))
     progress.close()
     net.train(was_training)
@@ -157,15 +224,18 @@ def evaluate(
     step: int,
     autocast_dtype: torch.dtype | None = None,
     preprocessing: PreprocessConfig | None = None,
+    cache: EvalImageCache | None = None,
 ) -> dict[str, float]:
-    """Run the dataset's evaluations (dataset.json ``evaluations``); rank 0 returns and plots metrics."""
+    """Run the dataset's evaluations (dataset.json ``evaluations``); rank 0 returns and plots metrics.
+
+    A training run passes the same ``cache`` (and preprocessing) to every evaluation."""
     from dmltrain.plots import recall_at_k_curve
 
     want_grid = config.eval.grid_queries > 0
     splits = {s for ev in info.evaluations for s in (ev.query, ev.gallery) if s is not None}
     embedded = {
         split: embed_split(
-            net, config, info, split, device, rank, world, want_grid, autocast_dtype, preprocessing
+            net, config, info, split, device, rank, world, want_grid, autocast_dtype, preprocessing, cache
         )
         for split in sorted(splits)
     }

@@ -42,6 +42,7 @@ RESUMABLE_KEYS = frozenset(
         "train.profile_steps",
         "eval.batch_size",
         "eval.grid_queries",
+        "eval.cache_mb",
         "run.max_failures",
         "run.keep_checkpoints",
         "run.resume",

@@ -59,7 +59,7 @@ from dmltrain.service.checkpoints import (
     save_stream_state,
 )
 from dmltrain.service.config import LOADER_PRIORITY_ENV, ExperimentConfig
-from dmltrain.service.distributed_eval import evaluate
+from dmltrain.service.distributed_eval import EvalImageCache, evaluate
 from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
 from dmltrain.service.logs import setup_logging
 from dmltrain.service.memory import peak_rss_mb, reset_peak_rss
@@ -241,6 +241,7 @@ class WorkerLoop:
         # The backbone's own resolution, resize rule, interpolation and mean/std (config overrides applied):
         # the same value drives the train/test transforms, the normalisation and the saved model.
         self.preprocessing = resolve_preprocessing(config)
+        self.eval_images = EvalImageCache(config.eval.cache_mb << 20)
         self.normalize = self.preprocessing.normalizer()
         model = build_network(config, self.preprocessing)
         self.precision = resolve_precision(config.train.precision, self.device)
@@ -452,6 +453,7 @@ class WorkerLoop:
             self.step,
             self.autocast,
             self.preprocessing,
+            self.eval_images,
         )
 
     # ------------------------------------------------------------------ training

@@ -1,0 +1,108 @@
+"""Evaluation during training keeps each worker's decoded test images after the first pass (eval.cache_mb).
+
+Real glyph shards, the real loader (in a loader process where it matters) and the service's embed_split in
+one process (world of 1); the shards are deleted between evaluations to show the second one reads none.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmltrain.data import prepare
+from dmltrain.data.metadata import DatasetInfo
+from dmltrain.service.builders import build_network
+from dmltrain.service.config import ExperimentConfig, load_config
+from dmltrain.service.distributed_eval import EmbeddedSplit, EvalImageCache, embed_split
+
+REPO = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def small_glyphs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, DatasetInfo]:
+    root = tmp_path_factory.mktemp("glyphs40")
+    info = prepare("glyphs", "-", root, min_faces=12, image_size=32, max_classes=40, progress=False)
+    return root, info
+
+
+def _embed(
+    root: Path, info: DatasetInfo, cache: EvalImageCache | None, *overrides: str
+) -> tuple[ExperimentConfig, EmbeddedSplit]:
+    config = load_config(
+        REPO / "configs" / "quickstart.yaml",
+        [f"data.root={root}", "data.prepare=null", "eval.batch_size=64", *overrides],
+    )
+    torch.manual_seed(0)
+    net = build_network(config)
+    cpu = torch.device("cpu")
+    return config, embed_split(net, config, info, "test", cpu, 0, 1, True, cache=cache)
+
+
+def _copy(root: Path, to: Path) -> Path:
+    shutil.copytree(root, to)
+    return to
+
+
+@pytest.mark.parametrize("loader_workers", [0, 1])
+def test_second_evaluation_reads_no_shard_and_embeds_the_same(
+    small_glyphs: tuple[Path, DatasetInfo], tmp_path: Path, loader_workers: int
+) -> None:
+    source, info = small_glyphs
+    root = _copy(source, tmp_path / "glyphs")
+    overrides = (f"data.loader_workers={loader_workers}",)
+    _, plain = _embed(root, info, None, *overrides)
+    cache = EvalImageCache(64 << 20)
+    _, first = _embed(root, info, cache, *overrides)
+    kept = cache.batches("test")
+    assert kept is not None and sum(len(labels) for _, labels in kept) == len(plain.labels) > 400
+    assert cache.used_bytes == sum(images.nbytes + labels.nbytes for images, labels in kept)
+    for path in root.glob("test-*.tar"):  # a streamed evaluation would now fail on a missing shard
+        path.unlink()
+    _, second = _embed(root, info, cache, *overrides)
+    for result in (first, second):
+        assert torch.equal(result.embeddings, plain.embeddings)
+        assert torch.equal(result.labels, plain.labels)
+        assert result.thumbnails.keys() == plain.thumbnails.keys()
+        assert all((result.thumbnails[i] == plain.thumbnails[i]).all() for i in plain.thumbnails)
+
+
+def test_split_over_the_budget_is_streamed_every_time(
+    small_glyphs: tuple[Path, DatasetInfo], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    source, info = small_glyphs
+    root = _copy(source, tmp_path / "glyphs")
+    cache = EvalImageCache(100_000)  # about 30 images of 32 x 32 x 3
+    with caplog.at_level(logging.INFO, logger="dmltrain.service.distributed_eval"):
+        _, first = _embed(root, info, cache)
+    assert cache.batches("test") is None and cache.used_bytes == 0
+    assert "take more than eval.cache_mb" in caplog.text
+    _, second = _embed(root, info, cache)
+    assert torch.equal(first.embeddings, second.embeddings)
+    for path in root.glob("test-*.tar"):
+        path.unlink()
+    with pytest.raises(Exception, match="test-"):  # streamed again: the missing shard is named
+        _embed(root, info, cache)
+
+
+def test_capped_evaluation_keeps_the_capped_images(small_glyphs: tuple[Path, DatasetInfo]) -> None:
+    root, info = small_glyphs
+    cache = EvalImageCache(64 << 20)
+    _, plain = _embed(root, info, None, "eval.max_images=100")
+    _, first = _embed(root, info, cache, "eval.max_images=100")
+    _, second = _embed(root, info, cache, "eval.max_images=100")
+    kept = cache.batches("test")
+    assert kept is not None and sum(len(labels) for _, labels in kept) == len(plain.labels) == 128  # 2 x 64
+    assert torch.equal(first.embeddings, plain.embeddings)
+    assert torch.equal(second.embeddings, plain.embeddings)
+
+
+def test_cache_mb_zero_turns_it_off(small_glyphs: tuple[Path, DatasetInfo]) -> None:
+    root, info = small_glyphs
+    config, _ = _embed(root, info, None, "eval.cache_mb=0")
+    cache = EvalImageCache(config.eval.cache_mb << 20)
+    _embed(root, info, cache)
+    assert cache.batches("test") is None
