@@ -41,8 +41,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # uint8 images after the test transfo
 class EvalImageCache:
     """This worker's test images after the test transform, kept from the first evaluation of each split.
 
-    Later evaluations embed the same batches in the same order without reading or decoding a shard (a
-    quarter of an evaluation's time in the quickstart; most of it on a GPU, where decoding sets the pace).
+    Later evaluations embed the same batches in the same order without reading or decoding a shard (about
+    a quarter of an evaluation's time in the quickstart on 2 cores; more where a GPU embeds faster than
+    the loaders decode).
     Splits are kept while their sum fits ``budget_bytes``; one that does not is streamed every time.
     """
 
