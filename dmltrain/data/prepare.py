@@ -439,8 +439,9 @@ def prepare(
         desc = glyphs_source_desc(
             **{k: v for k, v in options.items() if v is not None}, shard_size=shard_size
         )
+    scan_options = {**options, "workers": workers} if fmt == "glyphs" else options  # glyphs: render too
     return prepare_dataset(
-        lambda: scan_source(fmt, source, **options),
+        lambda: scan_source(fmt, source, **scan_options),
         out_dir,
         source_format=fmt,
         source_desc=desc,

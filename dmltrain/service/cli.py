@@ -28,7 +28,7 @@ def _register_prepare(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=32, help="max images of a class stored together")
     parser.add_argument("--resize", type=int, default=None, help="re-encode with this shorter side (pixels)")
     parser.add_argument("--seed", type=int, default=0, help="seed for shard layout and class splits")
-    parser.add_argument("--workers", type=int, default=1, help="processes writing shards in parallel")
+    parser.add_argument("--workers", type=int, default=1, help="processes writing shards, rendering glyphs")
     parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(

@@ -11,12 +11,17 @@ and optional packages the run will import.
 from __future__ import annotations
 
 import importlib.util
+import logging
+from pathlib import Path
 
 from dmltrain.data import BatchError, DatasetInfo, SamplerSpec, check_batch, ensure_glyphs, load_dataset_info
+from dmltrain.data.metadata import METADATA_NAME
 from dmltrain.models import MissingExtraError
 from dmltrain.service.best import resolve_best_metric
 from dmltrain.service.builders import check_network
 from dmltrain.service.config import ConfigError, ExperimentConfig
+
+log = logging.getLogger("dmltrain.service.preflight")
 
 INSTALL_HINT = "pip install 'dmltrain[cpu]' (or 'dmltrain[gpu]' on CUDA machines; '.[cpu]' from a checkout)"
 
@@ -40,7 +45,9 @@ def load_data(config: ExperimentConfig) -> DatasetInfo:
     """Build the embedded data set if asked, then read ``dataset.json``; a missing root is one line."""
     try:
         if config.data.prepare == "glyphs":
-            ensure_glyphs(config.data.root)
+            if not (Path(config.data.root) / METADATA_NAME).is_file():
+                log.info("data.prepare=glyphs: building the glyph set in %s (first use)", config.data.root)
+            ensure_glyphs(config.data.root, progress=True)
         return load_dataset_info(config.data.root)
     except (FileNotFoundError, ValueError, OSError) as error:
         raise ConfigError(f"data.root={config.data.root}: {_one_line(error)}") from None

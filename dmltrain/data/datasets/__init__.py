@@ -46,7 +46,10 @@ def _scanners() -> dict[str, Any]:
         "inaturalist": (scan_inaturalist, ("split_dir",)),
         "cub": (scan_cub, ()),
         "cars": (scan_cars, ()),
-        "glyphs": (scan_glyphs, ("min_faces", "image_size", "test_fraction", "seed", "max_classes")),
+        "glyphs": (
+            scan_glyphs,
+            ("min_faces", "image_size", "test_fraction", "seed", "max_classes", "workers"),
+        ),
     }
 
 
