@@ -507,7 +507,7 @@ def main() -> None:
 
     from dmltrain.data import ensure_glyphs
     from dmltrain.service.config import flatten, load_config, to_yaml
-    from dmltrain.service.run import OMP_WAIT_ENV, worker_env_vars
+    from dmltrain.service.run import OMP_WAIT_KEYS, worker_env_vars
     from dmltrain.service.tracking import start_or_resume_run
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dmltrain-bench-service-")).resolve()
@@ -545,8 +545,7 @@ def main() -> None:
     # The bare loops and the service steps run under the OpenMP settings Ray gives the service's workers.
     # Only OpenMP's: RAY_worker_niceness in this environment would reach every Ray process of part 2 through
     # the driver, where the service gives it to its training workers alone.
-    openmp_keys = {key for env in OMP_WAIT_ENV.values() for key in env}
-    os.environ.update({key: value for key, value in worker_env.items() if key in openmp_keys})
+    os.environ.update({key: value for key, value in worker_env.items() if key in OMP_WAIT_KEYS})
     jobs = [(layout, v) for layout, variants in group_variants.items() for v in variants]
     try:
         for layout, variants in group_variants.items():

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dmltrain.service.run import OMP_WAIT_ENV
+from dmltrain.service.run import OMP_WAIT_ENV, OMP_WAIT_KEYS
 
 # One parallel region over 2 threads (ATen's parallel_for is OpenMP in torch's Linux wheels), then the
 # CPU the process burns while its main thread sleeps: the idle OpenMP thread's spinning.
@@ -41,7 +41,7 @@ needs_gnu_openmp = pytest.mark.skipif(not _gnu_openmp_loaded(), reason="torch's 
 
 
 def _idle_cpu_seconds(env: dict[str, str]) -> float:
-    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    clean = {k: v for k, v in os.environ.items() if k not in OMP_WAIT_KEYS}
     out = subprocess.run(
         [sys.executable, "-c", _IDLE_SPIN], env={**clean, **env}, capture_output=True, text=True, check=True
     )

@@ -107,6 +107,7 @@ OMP_WAIT_ENV: dict[str | None, dict[str, str]] = {
     "brief": {"GOMP_SPINCOUNT": "10000"},
     "active": {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000000000"},
 }
+OMP_WAIT_KEYS = frozenset(key for env in OMP_WAIT_ENV.values() for key in env)
 
 
 def worker_env_vars(

@@ -84,8 +84,8 @@ def _font(path: Path, em: int) -> ImageFont.FreeTypeFont:
 
 
 @cache
-def _missing_box(path: Path, image_size: int) -> bytes | None:
-    return render_glyph(_font(path, round(image_size * 0.75)), chr(_UNMAPPED), image_size)
+def _missing_box(path: Path, em: int, image_size: int) -> bytes | None:
+    return render_glyph(_font(path, em), chr(_UNMAPPED), image_size)
 
 
 def _render_code_points(faces: list[Path], cps: list[int], image_size: int) -> list[list[tuple[str, bytes]]]:
@@ -97,7 +97,7 @@ def _render_code_points(faces: list[Path], cps: list[int], image_size: int) -> l
         for face in faces:
             if cp in faithful_codepoints(face):
                 png = render_glyph(_font(face, em), chr(cp), image_size)
-                if png is not None and png != _missing_box(face, image_size):
+                if png is not None and png != _missing_box(face, em, image_size):
                     renders.append((face.name, png))
         rendered.append(renders)
     return rendered
