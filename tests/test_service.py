@@ -21,6 +21,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from dmltrain.service.checkpoints import remove_stale_staging
 from dmltrain.service.config import ConfigError, ExperimentConfig, load_config
 from dmltrain.service.run import launch
 
@@ -306,6 +307,9 @@ def test_sigterm_marks_the_run_killed_and_a_relaunch_resumes_it(
     # checkpoint (the relaunch re-runs them and skips their stored metrics), so the history can end after
     # the relaunch's last step.
     assert steps == list(range(1, max(steps) + 1)) and max(steps) >= step + 2, (step, steps)
+    # A checkpoint whose upload the stop cut short leaves its staging directory; the relaunch's checkpoints
+    # removed it and left none of their own.
+    assert remove_stale_staging() == []
 
 
 def _free_port() -> int:

@@ -6,11 +6,19 @@ resumed rank must continue its own stream rather than replay it.
 
 Checkpoint directories are named after their step (``checkpoint_000000300``), so a worker can tell which of
 two checkpoints is newer and find the one rank 0 recorded in MLflow (see ``WorkerLoop._restore``).
+
+Rank 0 writes each checkpoint into a local staging directory first (:func:`staging_directory`), which Ray
+uploads and deletes. A worker killed while an upload is pending (a stopped job, a lost peer) never deletes
+its staging directory, so the next one on the node removes those of dead processes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import socket
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +27,9 @@ import torch
 
 STATE_FILE = "state.pt"
 _DIR_PREFIX = "checkpoint_"
+STAGING_PREFIX = "dmltrain-ckpt-"
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -101,3 +112,46 @@ def save_stream_state(directory: str | os.PathLike[str], rank: int, state: dict[
 def load_stream_state(directory: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
     path = Path(directory) / sampler_file(rank)
     return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
+
+
+def _staging_owner(name: str) -> tuple[int, str] | None:
+    """(pid, host) of a staging directory named by :func:`staging_directory`; None for any other name."""
+    if not name.startswith(STAGING_PREFIX) or "~" not in name:
+        return None
+    owner = name.removeprefix(STAGING_PREFIX).rpartition("~")[0]
+    pid, _, host = owner.partition("@")
+    return (int(pid), host) if pid.isdigit() and host else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_staging(root: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Delete the staging directories under ``root`` (the temp dir) whose writer on this host has exited.
+
+    Only directories named by this host's processes are considered: a /tmp shared across hosts (or PID
+    namespaces with their own hostnames) keeps the others' directories."""
+    host = socket.gethostname()
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*~*"):
+        owner = _staging_owner(path.name)
+        if owner is None or owner[1] != host or _alive(owner[0]) or not path.is_dir():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        log.info("removed %d checkpoint staging directories left by exited workers", len(removed))
+    return removed
+
+
+def staging_directory(root: str | os.PathLike[str] | None = None) -> str:
+    """A new local directory for one checkpoint, named after this process and host (see the module doc)."""
+    remove_stale_staging(root)
+    return tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}@{socket.gethostname()}~", dir=root)

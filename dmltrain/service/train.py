@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -57,6 +56,7 @@ from dmltrain.service.checkpoints import (
     load_stream_state,
     save_state,
     save_stream_state,
+    staging_directory,
 )
 from dmltrain.service.config import LOADER_PRIORITY_ENV, ExperimentConfig
 from dmltrain.service.distributed_eval import EvalImageCache, evaluate
@@ -387,7 +387,7 @@ class WorkerLoop:
         if self.rank != 0:
             self.ray.report(report, None, upload)
             return
-        directory = tempfile.mkdtemp(prefix="dmltrain-ckpt-")
+        directory = staging_directory()
         try:
             for rank, stream in enumerate(streams):
                 save_stream_state(directory, rank, stream)
