@@ -9,6 +9,7 @@ preprocessing, and `dmltrain evaluate` rebuilds the CLIP model from it.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from mlflow.tracking import MlflowClient
 from dmltrain.service.config import load_config
 from dmltrain.service.evaluate_model import evaluate_saved_model
 from dmltrain.service.run import launch
-from dmltrain.service.serving.loading import locate
+from dmltrain.service.serving.loading import located
 
 pytestmark = pytest.mark.service
 
@@ -57,7 +58,8 @@ def _run(tmp_path: Path, glyphs: Path, name: str, *overrides: str):
     assert [m.step for m in client.get_metric_history(outcome.mlflow_run_id, "train/loss")] == [1, 2]
     assert 0.0 <= run.data.metrics["eval/test/recall_at_1"] <= 1.0
     # the final model is an MLflow model (a pyfunc holding model.pt), found through runs:/
-    model_file, _ = locate(f"runs:/{outcome.mlflow_run_id}/model", outcome.tracking_uri)
+    with located(f"runs:/{outcome.mlflow_run_id}/model", outcome.tracking_uri) as (weights, _):
+        model_file = Path(shutil.copy(weights, tmp_path / "model.pt"))
     return run, model_file
 
 

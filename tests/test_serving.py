@@ -139,16 +139,24 @@ def test_pyfunc_round_trip_in_a_fresh_process(served: Served, tmp_path: Path) ->
 
 def test_model_downloads_are_removed_when_the_process_exits(served: Served, tmp_path: Path) -> None:
     """Loading a runs:/ or models:/ model downloads its weights; nothing of them stays in the temp dir
-    after the process (a CLI call, a server) exits."""
+    after the process (a CLI call, a server) exits, and a model loaded into memory (`located`,
+    `load_embedding_model`) keeps no files even while the process runs."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     script = textwrap.dedent(
         f"""
-        from dmltrain.service.serving.loading import locate
-        for ref in ("runs:/{served.run_id}/model", "runs:/{served.run_id}/model"):
+        from pathlib import Path
+        from dmltrain.service.serving.loading import load_embedding_model, locate, located
+        ref = "runs:/{served.run_id}/model"
+        with located(ref, {served.tracking_uri!r}) as (weights, run_id):
+            assert weights.is_file() and run_id == {served.run_id!r}, (weights, run_id)
+            assert len(list(Path({str(tmp)!r}).iterdir())) == 1
+        assert load_embedding_model(ref, {served.tracking_uri!r}).run_id == {served.run_id!r}
+        print(sorted(p.name for p in Path({str(tmp)!r}).iterdir()))
+        for _ in range(2):
             weights, run_id = locate(ref, {served.tracking_uri!r})
             assert weights.is_file() and run_id == {served.run_id!r}, (weights, run_id)
-        print(sorted(p.name for p in __import__("pathlib").Path({str(tmp)!r}).iterdir()))
+        print(sorted(p.name for p in Path({str(tmp)!r}).iterdir()))
         """
     )
     env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "TMPDIR": str(tmp)}
@@ -156,8 +164,9 @@ def test_model_downloads_are_removed_when_the_process_exits(served: Served, tmp_
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    during = proc.stdout.strip().splitlines()[-1]
-    assert during.count("dmltrain-model-") == 2, during  # one download folder per load while it ran
+    loaded, located = proc.stdout.strip().splitlines()[-2:]
+    assert loaded == "[]", loaded  # models read into memory left nothing behind
+    assert located.count("dmltrain-model-") == 2, located  # one download folder per locate while it ran
     assert sorted(p.name for p in tmp.iterdir()) == []  # and none left after exit
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import atexit
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,30 +93,25 @@ def _download_dir() -> str:
     return directory
 
 
-def locate(ref: str, tracking_uri: str | None = None) -> tuple[Path, str | None]:
-    """``(weights file, run id)`` of a model reference; MLflow models are downloaded to a temporary folder
-    that lives as long as this process."""
-    if is_mlflow_uri(ref):
-        import mlflow
-        from mlflow.exceptions import MlflowException
+def _download(ref: str, tracking_uri: str | None, directory: str) -> Path:
+    import mlflow
+    from mlflow.exceptions import MlflowException
 
-        from dmltrain.service.serving.uris import tracking_uri as tracking_uri_block
-        from dmltrain.service.tracking import resolve_tracking_uri
+    from dmltrain.service.serving.uris import tracking_uri as tracking_uri_block
+    from dmltrain.service.tracking import resolve_tracking_uri
 
-        uri = resolve_tracking_uri(tracking_uri)
-        try:
-            # The logged-model lookup behind runs:/ reads the process-wide URI, not the argument.
-            with tracking_uri_block(uri):
-                local = Path(
-                    mlflow.artifacts.download_artifacts(
-                        artifact_uri=ref, tracking_uri=uri, dst_path=_download_dir()
-                    )
-                )
-        except MlflowException as exc:
-            raise FileNotFoundError(
-                f"{ref}: not found in the MLflow store at {uri} ({exc.message})"
-            ) from None
-        return _weights_in(local), _run_id_of(local)
+    uri = resolve_tracking_uri(tracking_uri)
+    try:
+        # The logged-model lookup behind runs:/ reads the process-wide URI, not the argument.
+        with tracking_uri_block(uri):
+            return Path(
+                mlflow.artifacts.download_artifacts(artifact_uri=ref, tracking_uri=uri, dst_path=directory)
+            )
+    except MlflowException as exc:
+        raise FileNotFoundError(f"{ref}: not found in the MLflow store at {uri} ({exc.message})") from None
+
+
+def _local(ref: str) -> tuple[Path, str | None]:
     path = Path(ref).expanduser()
     if path.is_dir():
         return _weights_in(path), _run_id_of(path)
@@ -125,12 +122,37 @@ def locate(ref: str, tracking_uri: str | None = None) -> tuple[Path, str | None]
     return path, None
 
 
+def locate(ref: str, tracking_uri: str | None = None) -> tuple[Path, str | None]:
+    """``(weights file, run id)`` of a model reference; MLflow models are downloaded to a temporary folder
+    that lives as long as this process."""
+    if not is_mlflow_uri(ref):
+        return _local(ref)
+    local = _download(ref, tracking_uri, _download_dir())
+    return _weights_in(local), _run_id_of(local)
+
+
+@contextmanager
+def located(ref: str, tracking_uri: str | None = None) -> Iterator[tuple[Path, str | None]]:
+    """:func:`locate` for a caller that reads the weights at once: an MLflow download is removed when the
+    block ends, not at exit, so a long-lived process (a server, a sweep, a test session) that loads many
+    models keeps none of their files."""
+    if not is_mlflow_uri(ref):
+        yield _local(ref)
+        return
+    directory = tempfile.mkdtemp(prefix="dmltrain-model-")
+    try:
+        local = _download(ref, tracking_uri, directory)
+        yield _weights_in(local), _run_id_of(local)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def load_embedding_model(
     ref: str, tracking_uri: str | None = None, device: torch.device | None = None
 ) -> LoadedModel:
     """Load a model by reference (see module docstring) onto ``device`` (default: CUDA when available)."""
-    weights, run_id = locate(ref, tracking_uri)
-    saved = load_weights(weights)
+    with located(ref, tracking_uri) as (weights, run_id):
+        saved = load_weights(weights)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     net, config, preprocessing = network_from_weights(saved, device)
     source = ref if is_mlflow_uri(ref) else str(Path(ref).expanduser().resolve())
