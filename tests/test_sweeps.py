@@ -108,6 +108,7 @@ def test_two_trial_sweep_nests_child_runs_under_one_parent(
                 "eval.grid_queries": 0,
                 "run.storage_path": str(tmp_path / "ray_results"),
                 "mlflow.tracking_uri": tracking,
+                "mlflow.log_checkpoints": False,  # 130 MB a trial this test does not look at
             },
             "variants": [
                 {"name": "smoothap", "overrides": {"loss": {"name": "smoothap"}}},
