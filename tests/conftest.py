@@ -10,22 +10,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-import shutil
-import tempfile
-
 import pytest
-
-# torch.compile's kernel cache (150 MB for this suite) goes to a folder of this session's own, removed at its
-# end, instead of accumulating in /tmp/torchinductor_<user> across runs. Ray workers inherit it.
-_INDUCTOR_CACHE = None
-if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="dmltrain-tests-inductor-")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _INDUCTOR_CACHE is not None:
-        shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
