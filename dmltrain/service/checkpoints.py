@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from dmltrain.service.processes import pid_alive
+
 STATE_FILE = "state.pt"
 _DIR_PREFIX = "checkpoint_"
 STAGING_PREFIX = "dmltrain-ckpt-"
@@ -123,16 +125,6 @@ def _staging_owner(name: str) -> tuple[int, str] | None:
     return (int(pid), host) if pid.isdigit() and host else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def remove_stale_staging(root: str | os.PathLike[str] | None = None) -> list[Path]:
     """Delete the staging directories under ``root`` (the temp dir) whose writer on this host has exited.
 
@@ -142,7 +134,7 @@ def remove_stale_staging(root: str | os.PathLike[str] | None = None) -> list[Pat
     removed = []
     for path in Path(root or tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*~*"):
         owner = _staging_owner(path.name)
-        if owner is None or owner[1] != host or _alive(owner[0]) or not path.is_dir():
+        if owner is None or owner[1] != host or pid_alive(owner[0]) or not path.is_dir():
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dmltrain.service.processes import pid_alive
+
 REGISTRY = Path("/run/dmltrain-testbed")
 SUBNET_PREFIX = "10.213"  # 10.213.K.0/24, K claimed per bed; rarely used by anything else
 NS_PREFIX = "dmlbed-"
@@ -185,16 +187,6 @@ def leftovers(bed_id: str, base_dir: Path | None = None) -> list[str]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def reap_stale() -> list[str]:
     """Tear down beds whose owning process is gone; returns their ids."""
     reaped = []
@@ -203,7 +195,7 @@ def reap_stale() -> list[str]:
             record = json.loads(entry.read_text())
         except (OSError, ValueError):
             continue
-        if _alive(int(record.get("owner_pid", 0))):
+        if pid_alive(int(record.get("owner_pid", 0))):
             continue
         _destroy_bed(record["bed_id"])
         base = record.get("base_dir")
