@@ -74,6 +74,7 @@ def _run_id_of(directory: Path) -> str | None:
     return Model.load(str(directory / MLMODEL)).run_id
 
 
+_DOWNLOAD_PREFIX = "dmltrain-model-"
 _DOWNLOADS: list[str] = []
 
 
@@ -86,7 +87,7 @@ def _download_dir() -> str:
     """A folder for one model download, removed when the process exits. MLflow's default download folder
     is never removed, so every `dmltrain evaluate/index/serve` (and every test) left a copy of the
     model's weights in the temp dir."""
-    directory = tempfile.mkdtemp(prefix="dmltrain-model-")
+    directory = tempfile.mkdtemp(prefix=_DOWNLOAD_PREFIX)
     if not _DOWNLOADS:
         atexit.register(_remove_downloads)
     _DOWNLOADS.append(directory)
@@ -139,7 +140,7 @@ def located(ref: str, tracking_uri: str | None = None) -> Iterator[tuple[Path, s
     if not is_mlflow_uri(ref):
         yield _local(ref)
         return
-    directory = tempfile.mkdtemp(prefix="dmltrain-model-")
+    directory = tempfile.mkdtemp(prefix=_DOWNLOAD_PREFIX)
     try:
         local = _download(ref, tracking_uri, directory)
         yield _weights_in(local), _run_id_of(local)
