@@ -50,6 +50,17 @@ run() {  # run NAME SECONDS COMMAND...: within the deadline, logged, its exit st
     echo "  last line: $(grep -v '^\s*$' "$out/$name.log" | tail -n 1 | cut -c1-300)"; } | tee -a "$out/summary.txt"
 }
 
+samplers=()
+sample_load() {  # sample_load PREFIX: GPU utilisation every 0.5 s and the busiest processes every 5 s
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv -lms 500 \
+      >"$1-gpu.csv" 2>&1 &
+    samplers+=($!)
+  fi
+  top -b -d 5 -w 200 2>/dev/null | awk '/^top -/ {n = 0} n++ < 24 {print; fflush()}' >"$1-top.txt" &
+  samplers+=($!)
+}
+
 gpu_tests=(tests/test_gpu.py tests/test_gpu_decode.py tests/test_losses_streamed.py tests/test_prefetch.py)
 for step in "${steps[@]}"; do
   case $step in
@@ -58,11 +69,24 @@ for step in "${steps[@]}"; do
     service-tests) run service-tests 300 python3 -m pytest -m "gpu and service" -rs -s -p no:cacheprovider \
       "${gpu_tests[@]}" ;;
     data) run data 120 python3 bench/data.py --quick --gpu-batch 128 ;;
-    service) run service 520 python3 bench/gpu.py --parts service --service-decode gpu cpu \
-      --workdir /tmp/bench-gpu --json "$out/service.json"
-      cp -r /tmp/bench-gpu/service-decode-*.log /tmp/bench-gpu/profile-decode-* "$out/" 2>/dev/null ;;
+    service) sample_load "$out/load"
+      run service 520 python3 bench/gpu.py --parts service --service-decode gpu cpu \
+        --workdir /tmp/bench-gpu --json "$out/service.json"
+      kill "${samplers[@]}" 2>/dev/null
+      cp -r /tmp/bench-gpu/service-decode-*.log /tmp/bench-gpu/profile-* "$out/" 2>/dev/null ;;
     engine) run engine 300 python3 bench/gpu.py --parts engine --engine-sizes 1024 8192 \
       --json "$out/engine.json" ;;
     *) echo "unknown step $step (tests unit service-tests data service engine)"; exit 2 ;;
   esac
 done
+# The device tool returns at most 8 files: the summary, the machine, each step's log and JSON as they are,
+# and everything else (profiles, per-run logs, load samples) in archives, the traces (the largest) apart.
+cd "$out" && shopt -s nullglob
+for kind in service engine; do
+  [ $kind = service ] && pattern='./profile-decode-*' || pattern='./profile-engine*'
+  mapfile -t traces < <(find . -mindepth 2 -path "$pattern" -name 'trace_*.json.gz')
+  [ ${#traces[@]} -gt 0 ] && tar czf "traces-$kind.tgz" "${traces[@]}" && rm -f "${traces[@]}"
+done
+extra=(*/ load-* service-decode-*.log install*.log)
+[ ${#extra[@]} -gt 0 ] && tar czf extras.tgz "${extra[@]}" && rm -rf "${extra[@]}"
+ls -l "$out"

@@ -19,11 +19,13 @@ Parts:
   peak GPU memory and the seconds per step of each timed phase back from MLflow; against the engine (same
   settings, plus the Adam step the service also takes) on the same images decoded once into memory, and
   (with a gpu decode run) that engine again while a thread decodes the JPEGs on the device one batch ahead,
-  as the service's loader does: the cost of the device decode path alone. The gpu (or auto) run also
-  records one step after the measured ones with torch.profiler (train.profile_start) and prints the top
-  of its operator table; table and trace land in WORKDIR/profile-decode-gpu/. One run
-  per --service-decode value (data.decode; default cpu then gpu on CUDA, cpu elsewhere); the goals judge
-  the fastest run.
+  as the service's loader does: the cost of the device decode path alone (also with a 1 ms GIL switch
+  interval); (with a cpu decode run) that engine beside as many processes decoding JPEGs with PIL as the
+  service has loader workers: the cost of their CPU load alone. Each service run also records one step
+  after the measured ones with torch.profiler (train.profile_start) and prints the top of its operator
+  table; table and trace land in WORKDIR/profile-decode-<decode>/, and one profiled step of the engine
+  alone and beside the decoder in WORKDIR/profile-engine*/. One run per --service-decode value
+  (data.decode; default cpu then gpu on CUDA, cpu elsewhere); the goals judge the fastest run.
 Ratios compare cases of the same run. GB = 10^9 bytes.
 """
 
@@ -571,8 +573,18 @@ def bench_service(
             note,
         )
     ]
+    _profile_steps(step, device, workdir / "profile-engine")
+    if "cpu" in decodes or "auto" in decodes:
+        rows.append(_engine_beside_cpu_decoders(step, jpegs, plan, device, rounds, engine_rate))
     if "gpu" in decodes or "auto" in decodes:
-        rows.append(_engine_beside_the_decoder(step, jpegs, plan, device, rounds, engine_rate))
+        rows.append(
+            _engine_beside_the_decoder(
+                step, jpegs, plan, device, rounds, engine_rate, profile=workdir / "profile-engine-decoder"
+            )
+        )
+        # The same with a 1 ms GIL switch interval (5 ms default): whether the training thread's kernel
+        # launches wait for the decode thread's Python.
+        rows.append(_engine_beside_the_decoder(step, jpegs, plan, device, rounds, engine_rate, switch=0.001))
     del model, optimizer, images, step
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -585,8 +597,98 @@ def bench_service(
     return rows
 
 
-def _engine_beside_the_decoder(
+def _profile_steps(step, device: torch.device, out: Path) -> None:
+    """One `step` recorded with torch.profiler after an unrecorded warm-up (the service's StepProfiler):
+    table and trace in `out`, to set beside the service's profiled step; the table's top to stderr."""
+    from dmltrain.service.profiling import StepProfiler
+
+    profiler = StepProfiler(2, 1, device, out_dir=out, row_limit=40)
+    try:
+        for n in (1, 2):
+            profiler.before_step(n)
+            step()
+            files = profiler.after_step(n)
+    except Exception as exc:  # the figures stand without it
+        print(f"  no profile in {out.name}: {exc}", file=sys.stderr, flush=True)
+        return
+    for table in files[:1]:
+        top = "\n".join(table.read_text().splitlines()[:24])
+        print(f"  {out.name}:\n{top}", file=sys.stderr, flush=True)
+
+
+def _pil_decode_forever(paths: list[str], size: int, stop) -> None:
+    """What one data.decode=cpu loader worker keeps a core busy with: PIL decode, a resized crop, a flip."""
+    import random
+
+    from PIL import Image
+
+    rng = random.Random(0)
+    while not stop.is_set():
+        for path in paths:
+            if stop.is_set():
+                return
+            with Image.open(path) as im:
+                im = im.convert("RGB")
+                side = rng.randint(im.width // 2, im.width)
+                left, top = rng.randint(0, im.width - side), rng.randint(0, im.height - side)
+                im = im.resize((size, size), Image.BILINEAR, box=(left, top, left + side, top + side))
+                if rng.random() < 0.5:
+                    im = im.transpose(Image.FLIP_LEFT_RIGHT)
+                im.tobytes()
+
+
+def _engine_beside_cpu_decoders(
     step, jpegs: Path, plan: dict, device: torch.device, rounds: int, engine_rate: float | None
+) -> Row:
+    """The in-memory engine again while data.loader_workers processes decode JPEGs with PIL flat out: what
+    a data.decode=cpu loader's CPU load alone costs the training thread (an upper bound: real loader
+    workers rest once they are a few batches ahead)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    stop = context.Event()
+    files = sorted(str(p) for p in (jpegs / "train").rglob("*.jpg"))
+    workers = plan["loader_workers"]
+    procs = [
+        context.Process(
+            target=_pil_decode_forever, args=(files[i::workers], plan["engine_size"], stop), daemon=True
+        )
+        for i in range(workers)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        time.sleep(3)  # the processes import and start decoding
+        result, note = _guarded(lambda: _measure(step, device, rounds), device)
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    rate = plan["service_batch"] / result[0] if result else None
+    return Row(
+        "service",
+        f"the same, beside {workers} processes decoding JPEGs with PIL flat out (data.decode=cpu's CPU load)",
+        plan["service_batch"],
+        result and result[0],
+        rate,
+        result and result[1],
+        rate / engine_rate if rate and engine_rate else None,
+        "engine in memory (img/s)",
+        note,
+    )
+
+
+def _engine_beside_the_decoder(
+    step,
+    jpegs: Path,
+    plan: dict,
+    device: torch.device,
+    rounds: int,
+    engine_rate: float | None,
+    profile: Path | None = None,
+    switch: float | None = None,
 ) -> Row:
     """The in-memory engine again, each step taking one batch from a thread that decodes the same JPEGs
     with `DeviceDecoder` one batch ahead (as the service's loader does with data.decode=gpu). The gap to
@@ -629,17 +731,25 @@ def _engine_beside_the_decoder(
         ready.get()
         step()
 
+    default_switch = sys.getswitchinterval()
+    if switch is not None:
+        sys.setswitchinterval(switch)
     thread = threading.Thread(target=decode_ahead, name="decode-ahead", daemon=True)
     thread.start()
     try:
         result, note = _guarded(lambda: _measure(paced_step, device, rounds), device)
+        if profile is not None:
+            _profile_steps(paced_step, device, profile)
     finally:
         stop.set()
         thread.join()
+        sys.setswitchinterval(default_switch)
     rate = batch / result[0] if result else None
+    interval = f", GIL switch interval {switch * 1000:g} ms" if switch is not None else ""
     return Row(
         "service",
-        f"the same, one batch a step from a thread decoding the JPEGs on {device.type} (DeviceDecoder)",
+        f"the same, one batch a step from a thread decoding the JPEGs on {device.type} (DeviceDecoder)"
+        + interval,
         batch,
         result and result[0],
         rate,
@@ -660,10 +770,9 @@ def _service_run(
     engine_rate: float | None,
 ) -> Row:
     """One `python -m dmltrain.run` with data.decode=`decode`; its row (or the failure's last lines). The
-    decode=gpu run also records one step after the measured ones with torch.profiler: its operator table
-    goes to stderr, and table and trace to `workdir`/profile-decode-gpu/."""
-    profile = decode in ("gpu", "auto")
-    config = _service_config(plan, shards, workdir, device.type == "cuda", decode, profile=profile)
+    run also records one step after the measured ones with torch.profiler: its operator table goes to
+    stderr, and table and trace to `workdir`/profile-decode-`decode`/."""
+    config = _service_config(plan, shards, workdir, device.type == "cuda", decode, profile=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started = time.perf_counter()
@@ -685,8 +794,7 @@ def _service_run(
             "service", f"dmltrain.run, data.decode={decode}", batch, note="failed: " + " | ".join(tail)[-600:]
         )
     metrics = _service_metrics(found.group(2), found.group(1), plan["service_steps"])
-    if profile:
-        _fetch_profile(found.group(2), found.group(1), workdir / f"profile-decode-{decode}")
+    _fetch_profile(found.group(2), found.group(1), workdir / f"profile-decode-{decode}")
     rate = metrics.get("train/images_per_second")
     peak = metrics.get("train/gpu_peak_memory_gb")
     tags = metrics["tags"]
