@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -27,9 +28,11 @@ from dmltrain.engine import global_batch_step
 from dmltrain.losses import FastAPLoss, LevelwiseLoss, RankedListLoss, SmoothAPLoss, TripletLoss
 from dmltrain.models import (
     GeM,
+    ImageNormalizer,
     PreprocessConfig,
     build_model,
     check_model,
+    normalize_images,
     parameter_groups,
     parse_backbone,
     preprocessing_for,
@@ -146,6 +149,27 @@ def test_transforms_and_normalizer_follow_the_config() -> None:
     pp = PreprocessConfig(8, 8, mean=(0.5, 0.5, 0.5), std=(0.25, 0.5, 1.0))
     out = pp.normalizer()(torch.full((1, 3, 2, 2), 255, dtype=torch.uint8))
     torch.testing.assert_close(out[0, :, 0, 0], torch.tensor([2.0, 1.0, 0.5]))
+
+
+def test_normalizer_makes_its_constants_once_per_device_and_pickles_without_them() -> None:
+    """The mean/std tensors are kept per device (on CUDA, making them is a copy that waits for the GPU,
+    once per chunk before); a pickled normalizer carries only the numbers and gives the same result."""
+    normalize = ImageNormalizer((0.5, 0.4, 0.3), (0.2, 0.25, 0.5))
+    images = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    first = normalize(images)
+    assert normalize.constants(images.device) is normalize.constants(images.device)
+    want = (images.float() / 255 - torch.tensor([0.5, 0.4, 0.3])[:, None, None]) / torch.tensor(
+        [0.2, 0.25, 0.5]
+    )[:, None, None]
+    torch.testing.assert_close(first, want)
+    state = pickle.dumps(normalize)
+    assert b"torch" not in state  # no tensor travels
+    again = pickle.loads(state)
+    assert repr(again) == repr(normalize)
+    torch.testing.assert_close(again(images), first)
+    grey = normalize(images[:, :1])  # one channel is repeated to three
+    assert grey.shape == first.shape
+    torch.testing.assert_close(normalize_images(images), ImageNormalizer()(images))
 
 
 # ---------------------------------------------------------------------- weights

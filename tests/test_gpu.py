@@ -9,8 +9,10 @@ fp16 rounding where autocast is on.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import math
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -221,6 +223,35 @@ def test_chunked_step_memory_is_flat_in_batch_size() -> None:
         del model
         torch.cuda.empty_cache()
     assert peaks[512] <= 1.25 * peaks[64], peaks
+
+
+def test_a_step_waits_for_the_gpu_no_more_often_with_more_chunks() -> None:
+    """The host must queue a step's chunks ahead of the GPU. Every operation that waits for the device
+    (`.item()`, a copy from pageable memory) drains that queue; once per chunk (the normaliser's mean/std
+    copies, 64 a step of 16 chunks) it left an H100 idle for a quarter of a service step whenever the
+    training thread paused (torch.profiler trace, 2026-11-26). The loss waits a few times per step; the
+    count must not grow with the number of chunks."""
+    images, labels = _images(64, seed=7)
+    images = images.pin_memory()
+    loss_fn = SmoothAPLoss(temperature=0.05)
+    model = _resnet(seed=8)
+    waits = {}
+    for chunk in (32, 8):  # 2 and 8 chunks
+        step = functools.partial(
+            global_batch_step, model, images, labels, loss_fn, chunk, preprocess=normalize_images
+        )
+        step()  # warm-up: kernels chosen, the normaliser's constants made
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        waits[chunk] = sum("synchronizing CUDA operation" in str(w.message) for w in caught)
+    assert waits[32] > 0, waits  # the detector sees the loss's own waits
+    assert waits[8] == waits[32], waits
 
 
 def test_auto_precision_on_this_gpu() -> None:
