@@ -14,10 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dmltrain import engine
 from dmltrain.engine import chunked_backward, global_batch_step
 from dmltrain.losses import FastAPLoss, RankedListLoss, SmoothAPLoss, TripletLoss
+from dmltrain.models import ImageNormalizer
 
 # ----------------------------------------------------------------------------------------------------
 # shared helpers
@@ -230,6 +232,42 @@ def test_chunks_reach_preprocess_one_at_a_time_as_uint8() -> None:
     assert sizes == [4, 4, 3, 4, 4]  # pass 1, then pass 2 re-runs all but the last chunk (its graph was kept)
     assert all(dtype == torch.uint8 for _, dtype in seen)
     assert torch.equal(images, original)
+
+
+class _CountWaits(TorchDispatchMode):
+    """Counts the operators that make a CUDA host wait for the device: a value read back to Python, a
+    result whose shape depends on the data, or a tensor built from Python numbers (a copy from pageable
+    memory). Visible on a CPU too, where they cost nothing."""
+
+    WAITING = ("aten._local_scalar_dense", "aten.lift_fresh", "aten.nonzero", "aten._unique2")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if str(func.overloadpacket) in self.WAITING:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("loss_name", ["fastap", "smoothap", "rll", "triplet"])
+def test_waits_for_the_device_do_not_grow_with_the_number_of_chunks(loss_name: str) -> None:
+    """On CUDA each such wait empties the queue of work the host has put ahead of the GPU, and once per
+    chunk (the normaliser's mean/std, 64 a step) it left an H100 idle for a quarter of a service step.
+    The loss may wait a few times per step, never per chunk (tests/test_gpu.py checks the same on CUDA)."""
+    images, labels = make_batch(24, seed=9)
+    normalize = ImageNormalizer()
+    normalize(images[:1])  # its constants are made on first use on a device, once
+    waits = {}
+    for chunk in (12, 3):
+        with _CountWaits() as counter:
+            global_batch_step(
+                make_model().float(), images, labels, LOSSES[loss_name][0](), chunk, preprocess=normalize
+            )
+        waits[chunk] = counter.count
+    assert waits[12] > 0, waits  # the counter sees the loss's own reads
+    assert waits[3] == waits[12], waits
 
 
 def test_gradients_accumulate_like_backward() -> None:
