@@ -3,13 +3,15 @@
 # few minutes: each step runs under its own timeout, in the order given, while the deadline allows, and
 # leaves its log in $OUT (the device tool's output folder; /tmp/device-checks elsewhere).
 #
-#   bash bench/device_checks.sh                      # the service bench (~8 min), then the GPU unit tests
-#   bash bench/device_checks.sh 590 unit data        # a deadline and the steps to run, in order
+#   bash bench/device_checks.sh                      # the service bench (~8.5 min on an H100)
+#   bash bench/device_checks.sh 250 unit             # a deadline and the steps to run, in order
 #
-# A session's device time (15 minutes, the machine's start included) fits one such call and a short
-# second one while the machine is warm (it is given back after 30 s idle). On 2026-11-26 (one H200) every
-# step ran and passed: service 249 s (decode=gpu only), unit 106 s, data 30 s, service-tests 153 s,
-# engine 71 s, and `bench/gpu.py --parts losses` 78 s.
+# A session's device time (15 minutes, the machine's start included) fits the service step in one call,
+# then short calls made at once while the machine is warm (it is given back after 30 s idle). On
+# 2026-11-26 (one H100, 838 s held in all): `bash bench/device_checks.sh 570 service unit` (service 501 s,
+# unit cut off), then `... 250 unit` (55 s: 15 passed), then `... 205 service-tests` (150 s: 2 passed).
+# Earlier that day on one H200: service 249 s (decode=gpu only), unit 106 s, data 30 s, service-tests
+# 153 s, engine 71 s, and `bench/gpu.py --parts losses` 78 s.
 #
 # It installs .device-pack first when the machine lacks Ray (bash ../shared/tools/device_pack.sh
 # .device-pack builds it here). Steps:
@@ -18,14 +20,16 @@
 #   service-tests   only those two service runs
 #   data     bench/data.py --quick: nvJPEG decode + batched crops against the per-image crops and PIL
 #   service  bench/gpu.py --parts service, decode=gpu then cpu: img/s, data wait, phases, vs the engine
-#            alone and vs the engine beside the device decoder; a torch.profiler table and trace of one
-#            decode=gpu step (profile-decode-gpu/ in $OUT)
+#            alone, beside the device decoder and beside PIL decoding processes; torch.profiler tables and
+#            traces of one step of each (profile-*/), GPU utilisation and `top` samples (load-*)
 #   engine   bench/gpu.py --parts engine at B = 1,024 and 8,192 (chunked, eager / channels_last / compiled)
+# What comes back: summary.txt, machine.txt, each step's log (and JSON), extras.tgz (profile tables, each
+# service run's own log, load samples) and traces-service.tgz / traces-engine.tgz (the Perfetto traces).
 set -uo pipefail
 deadline=$((SECONDS + ${1:-580}))
 [ $# -gt 0 ] && shift
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(service unit)
+[ ${#steps[@]} -gt 0 ] || steps=(service)
 out=${OUT:-/tmp/device-checks}
 mkdir -p "$out" && : >"$out/summary.txt"
 export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
