@@ -666,11 +666,20 @@ def _engine_beside_cpu_decoders(
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    rate = plan["service_batch"] / result[0] if result else None
+    case = f"the same, beside {workers} processes decoding JPEGs with PIL flat out"
+    case += " (data.decode=cpu's CPU load)"
+    return _beside_engine_row(case, plan["service_batch"], result, note, engine_rate)
+
+
+def _beside_engine_row(
+    case: str, batch: int, result: tuple[float, float | None] | None, note: str, engine_rate: float | None
+) -> Row:
+    """A row of the in-memory engine run beside something else, against the engine alone."""
+    rate = batch / result[0] if result else None
     return Row(
         "service",
-        f"the same, beside {workers} processes decoding JPEGs with PIL flat out (data.decode=cpu's CPU load)",
-        plan["service_batch"],
+        case,
+        batch,
         result and result[0],
         rate,
         result and result[1],
@@ -744,20 +753,9 @@ def _engine_beside_the_decoder(
         stop.set()
         thread.join()
         sys.setswitchinterval(default_switch)
-    rate = batch / result[0] if result else None
     interval = f", GIL switch interval {switch * 1000:g} ms" if switch is not None else ""
-    return Row(
-        "service",
-        f"the same, one batch a step from a thread decoding the JPEGs on {device.type} (DeviceDecoder)"
-        + interval,
-        batch,
-        result and result[0],
-        rate,
-        result and result[1],
-        rate / engine_rate if rate and engine_rate else None,
-        "engine in memory (img/s)",
-        note,
-    )
+    case = f"the same, one batch a step from a thread decoding the JPEGs on {device.type} (DeviceDecoder)"
+    return _beside_engine_row(case + interval, batch, result, note, engine_rate)
 
 
 def _service_run(
