@@ -253,9 +253,10 @@ class _CountWaits(TorchDispatchMode):
 
 @pytest.mark.parametrize("loss_name", ["fastap", "smoothap", "rll", "triplet"])
 def test_waits_for_the_device_do_not_grow_with_the_number_of_chunks(loss_name: str) -> None:
-    """On CUDA each such wait empties the queue of work the host has put ahead of the GPU, and once per
-    chunk (the normaliser's mean/std, 64 a step) it left an H100 idle for a quarter of a service step.
-    The loss may wait a few times per step, never per chunk (tests/test_gpu.py checks the same on CUDA)."""
+    """On CUDA each such wait empties the queue of work the host has put ahead of the GPU. Once per chunk
+    (the normaliser's mean/std, 64 a step), every pause of the training thread became GPU idle time: an
+    H100 sat idle for a quarter of a service step. The loss may wait a few times per step, never per
+    chunk (tests/test_gpu.py checks the same on CUDA)."""
     images, labels = make_batch(24, seed=9)
     normalize = ImageNormalizer()
     normalize(images[:1])  # its constants are made on first use on a device, once
