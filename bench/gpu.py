@@ -617,24 +617,17 @@ def _profile_steps(step, device: torch.device, out: Path) -> None:
 
 
 def _pil_decode_forever(paths: list[str], size: int, stop) -> None:
-    """What one data.decode=cpu loader worker keeps a core busy with: PIL decode, a resized crop, a flip."""
-    import random
+    """What one data.decode=cpu loader worker keeps a core busy with: the loader's own PIL decode and
+    training augmentation (`decode`, `train_transform`), one torch thread as a DataLoader worker has."""
+    from dmltrain.data.transforms import decode, train_transform
 
-    from PIL import Image
-
-    rng = random.Random(0)
+    torch.set_num_threads(1)
+    augment = train_transform(size)
     while not stop.is_set():
         for path in paths:
             if stop.is_set():
                 return
-            with Image.open(path) as im:
-                im = im.convert("RGB")
-                side = rng.randint(im.width // 2, im.width)
-                left, top = rng.randint(0, im.width - side), rng.randint(0, im.height - side)
-                im = im.resize((size, size), Image.BILINEAR, box=(left, top, left + side, top + side))
-                if rng.random() < 0.5:
-                    im = im.transpose(Image.FLIP_LEFT_RIGHT)
-                im.tobytes()
+            augment(decode(Path(path).read_bytes()))
 
 
 def _engine_beside_cpu_decoders(
