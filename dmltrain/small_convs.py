@@ -11,20 +11,32 @@ Two rewrites, each the same sum in another order (the results differ by float ro
   linear layer on that tap, forward and backward (train mode only, so evaluation and serving compute
   exactly what a plain model does);
 - otherwise, for outputs of 1x1 (any kernel) or 2x2 (kernels larger than 1x1), the forward pass and the
-  input gradient stay oneDNN's and the weight gradient is unfold(x)ᵀ·grad in one matrix product.
+  input gradient stay oneDNN's and the weight gradient is unfold(x)ᵀ·grad in one matrix product. Only
+  where oneDNN would take its GEMM kernel for that gradient: on CPUs whose best instruction set is AVX2.
+  With AVX-512 oneDNN has direct kernels (``jit:avx512_core`` in ONEDNN_VERBOSE) and the matrix product
+  is slower: on a 2-core AVX-512 EPYC (`python bench/small_convs.py`, 2026-11-26), 10.9 ms against 8.3 for
+  a 256->256 3x3 training call on a 2x2 map, and ResNet-18's 32 px step ran 1.18x PyTorch's speed with
+  the tap alone against 1.13x with both rewrites.
 Larger outputs, where oneDNN is as fast or faster, keep PyTorch's path; so does everything off the CPU,
 under autocast, grouped or non-zero-padded.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["SmallOutputConv2d", "small_conv_path", "use_matmul_for_small_convs", "weight_grad_by_gemm"]
+__all__ = [
+    "SmallOutputConv2d",
+    "gemm_weight_grads_help",
+    "small_conv_path",
+    "use_matmul_for_small_convs",
+    "weight_grad_by_gemm",
+]
 
 _Pair = tuple[int, int]
 ConvPath = Literal["tap", "gemm_weight_grad", "native"]
@@ -71,6 +83,15 @@ def _output_size(conv: nn.Conv2d, x: Tensor) -> tuple[int, int]:
     return h, w
 
 
+@functools.cache
+def gemm_weight_grads_help() -> bool:
+    """Whether this CPU's oneDNN computes small weight gradients with its slow GEMM kernel (AVX2 at best).
+
+    Measured on AVX2 and AVX-512 CPUs only; other instruction sets keep PyTorch's path for them.
+    """
+    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
 def small_conv_path(conv: nn.Conv2d, x: Tensor) -> ConvPath:
     """Which computation `SmallOutputConv2d` uses for this call (see the module docstring)."""
     if x.device.type != "cpu" or x.dim() != 4 or torch.is_autocast_enabled("cpu"):
@@ -87,6 +108,9 @@ def small_conv_path(conv: nn.Conv2d, x: Tensor) -> ConvPath:
         return "tap"
     if not weight_grad:
         return "native"
+    by_gemm = getattr(conv, "gemm_weight_grads", None)
+    if not (gemm_weight_grads_help() if by_gemm is None else by_gemm):
+        return "native"
     pixels = out[0] * out[1]
     if pixels == 1 or (pixels <= 4 and conv.kernel_size != (1, 1)):
         return "gemm_weight_grad"
@@ -96,8 +120,11 @@ def small_conv_path(conv: nn.Conv2d, x: Tensor) -> ConvPath:
 class SmallOutputConv2d(nn.Conv2d):
     """An `nn.Conv2d` that computes tiny outputs as matrix products where `small_conv_path` says so.
 
-    Same parameters, buffers and state_dict keys as the Conv2d it replaces.
+    Same parameters, buffers and state_dict keys as the Conv2d it replaces. ``gemm_weight_grads``:
+    ``None`` decides by the CPU (`gemm_weight_grads_help`), ``True``/``False`` force the second rewrite.
     """
+
+    gemm_weight_grads: bool | None = None
 
     def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         path = small_conv_path(self, input)
@@ -110,9 +137,10 @@ class SmallOutputConv2d(nn.Conv2d):
         return super()._conv_forward(input, weight, bias)
 
 
-def use_matmul_for_small_convs(model: nn.Module) -> int:
+def use_matmul_for_small_convs(model: nn.Module, gemm_weight_grads: bool | None = None) -> int:
     """Turn every plain `nn.Conv2d` in ``model`` into a `SmallOutputConv2d`, in place; returns how many.
 
+    ``gemm_weight_grads`` sets `SmallOutputConv2d.gemm_weight_grads` on each (``None``: by the CPU).
     Subclasses (timm's same-padding convs and the like) keep their own forward and are left alone.
     """
     converted = 0
@@ -120,4 +148,6 @@ def use_matmul_for_small_convs(model: nn.Module) -> int:
         if type(module) is nn.Conv2d:
             module.__class__ = SmallOutputConv2d
             converted += 1
+        if isinstance(module, SmallOutputConv2d) and gemm_weight_grads is not None:
+            module.gemm_weight_grads = gemm_weight_grads
     return converted

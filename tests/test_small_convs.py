@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -49,7 +52,9 @@ def test_outputs_and_gradients_equal_pytorchs_on_each_path(geometry, input_grad:
     torch.manual_seed(0)
     native = nn.Conv2d(cin, cout, kernel, stride, padding, dilation, bias=bias).double()
     gemm = copy.deepcopy(native)
-    assert use_matmul_for_small_convs(gemm) == 1 and isinstance(gemm, SmallOutputConv2d)
+    assert use_matmul_for_small_convs(gemm, gemm_weight_grads=True) == 1 and isinstance(
+        gemm, SmallOutputConv2d
+    )
     x = torch.randn(5, cin, side, side, dtype=torch.float64, requires_grad=input_grad)
     assert small_conv_path(gemm, x) == path  # the path under test is the one that runs
     grad_out = torch.randn_like(native(x))
@@ -61,7 +66,7 @@ def test_channels_last_input_gives_the_same_gradients() -> None:
     torch.manual_seed(1)
     native = nn.Conv2d(8, 8, 3, padding=1, bias=False).to(memory_format=torch.channels_last)
     gemm = copy.deepcopy(native)
-    use_matmul_for_small_convs(gemm)
+    use_matmul_for_small_convs(gemm, gemm_weight_grads=True)
     x = torch.randn(6, 8, 2, 2).contiguous(memory_format=torch.channels_last).requires_grad_()
     grad_out = torch.randn(6, 8, 2, 2).contiguous(memory_format=torch.channels_last)
     assert small_conv_path(gemm, x) == "gemm_weight_grad"
@@ -72,6 +77,7 @@ def test_channels_last_input_gives_the_same_gradients() -> None:
 def test_matrix_products_only_for_cpu_training_calls_with_tiny_outputs() -> None:
     conv3 = SmallOutputConv2d(4, 4, 3, padding=1)
     conv1 = SmallOutputConv2d(4, 4, 1)
+    conv3.gemm_weight_grads = conv1.gemm_weight_grads = True  # as on an AVX2 CPU
     one, two, three = torch.randn(2, 4, 1, 1), torch.randn(2, 4, 2, 2), torch.randn(2, 4, 3, 3)
     assert small_conv_path(conv3, one) == "tap" and small_conv_path(conv1, one) == "tap"
     assert small_conv_path(conv3, two) == "gemm_weight_grad"
@@ -92,6 +98,29 @@ def test_matrix_products_only_for_cpu_training_calls_with_tiny_outputs() -> None
     assert small_conv_path(conv3, one) == "tap" and small_conv_path(conv3, two) == "native"
 
 
+def test_without_weight_gradient_matmuls_only_the_tap_is_rewritten() -> None:
+    """With AVX-512, oneDNN's own weight-gradient kernels beat the matrix product (module docstring)."""
+    for geometry in GEOMETRIES:
+        cin, cout, kernel, stride, padding, dilation, bias, side, path = geometry
+        conv = SmallOutputConv2d(cin, cout, kernel, stride, padding, dilation, bias=bias)
+        conv.gemm_weight_grads = False
+        x = torch.randn(2, cin, side, side)
+        assert small_conv_path(conv, x) == ("tap" if path == "tap" else "native"), geometry
+
+
+@pytest.mark.parametrize(("capability", "path"), [("avx2", "gemm_weight_grad"), ("default", "native")])
+def test_weight_gradient_matmuls_by_default_only_on_avx2_cpus(capability: str, path: str) -> None:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip(f"an x86 CPU with AVX2 (this one: {torch.backends.cpu.get_cpu_capability()})")
+    code = (
+        "import torch; from dmltrain.small_convs import SmallOutputConv2d, small_conv_path; "
+        "print(small_conv_path(SmallOutputConv2d(4, 4, 3, padding=1), torch.randn(2, 4, 2, 2)))"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}  # what torch dispatches to, read at start-up
+    found = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == path
+
+
 def _resnet(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = build_model("resnet18", 16)
@@ -100,9 +129,10 @@ def _resnet(seed: int = 0) -> nn.Module:
     return model
 
 
-def test_resnet18_at_32px_trains_with_the_same_gradients_and_keeps_its_state_dict() -> None:
+@pytest.mark.parametrize("gemm_weight_grads", [True, False], ids=["avx2-paths", "avx512-paths"])
+def test_resnet18_at_32px_trains_with_the_same_gradients_and_keeps_its_state_dict(gemm_weight_grads) -> None:
     native, gemm = _resnet(), _resnet()
-    converted = use_matmul_for_small_convs(gemm)
+    converted = use_matmul_for_small_convs(gemm, gemm_weight_grads)
     assert converted == sum(type(m) is nn.Conv2d for m in native.modules()) == 20
     assert list(gemm.state_dict()) == list(native.state_dict())
     images = torch.randn(8, 3, 32, 32)

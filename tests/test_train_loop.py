@@ -231,8 +231,8 @@ def test_compiled_channels_last_loop_computes_the_eager_step(
         tags = client.get_run(run_id).data.tags
         expected = ("true", "works") if name == "fast" else ("false", "eager")
         assert (tags["dmltrain.channels_last"], tags["dmltrain.compile"]) == expected
-        rewritten = "0" if name == "pytorch_convs" else "20"  # resnet18's Conv2d layers
-        assert tags["dmltrain.small_conv_matmul"] == f"{rewritten} convolutions"
+        rewritten = "off" if name == "pytorch_convs" else "20 convolutions (tap"  # resnet18's Conv2d layers
+        assert tags["dmltrain.small_conv_matmul"].startswith(rewritten)
     for name in ("fast", "pytorch_convs"):
         assert first[name][0] == pytest.approx(first["eager"][0], rel=1e-5)
         assert first[name][1] == pytest.approx(first["eager"][1], rel=1e-4)

@@ -66,7 +66,7 @@ from dmltrain.service.memory import peak_rss_mb, reset_peak_rss
 from dmltrain.service.prefetch import BatchPrefetcher
 from dmltrain.service.profiling import StepProfiler
 from dmltrain.service.tracking import RunLogger
-from dmltrain.small_convs import use_matmul_for_small_convs
+from dmltrain.small_convs import gemm_weight_grads_help, use_matmul_for_small_convs
 
 log = logging.getLogger("dmltrain.service.train")
 
@@ -206,6 +206,14 @@ def _loader_priority(setting: str, device: torch.device) -> WorkerPriority:
     if setting == "auto":
         setting = os.environ.get(LOADER_PRIORITY_ENV) or ("idle" if device.type == "cpu" else "normal")
     return "idle" if setting == "idle" else "normal"  # the config allows only auto, idle, normal
+
+
+def _small_conv_setting(converted: int) -> str:
+    """The small-convolution rewrite as the tag shows it: it differs between AVX2 and AVX-512 CPUs."""
+    if not converted:
+        return "off"
+    rewrites = "tap + weight-grad matmul" if gemm_weight_grads_help() else "tap only"
+    return f"{converted} convolutions ({rewrites})"
 
 
 def _omp_wait_settings() -> str:
@@ -572,7 +580,7 @@ class WorkerLoop:
             "dmltrain.precision": self.precision.name,
             "dmltrain.channels_last": str(self.channels_last).lower(),
             "dmltrain.compile": compile_state(self.net),
-            "dmltrain.small_conv_matmul": f"{self.small_convs} convolutions",
+            "dmltrain.small_conv_matmul": _small_conv_setting(self.small_convs),
             # what the workers actually run with (Ray and the environment can differ)
             "dmltrain.torch_threads": str(torch.get_num_threads()),
             "dmltrain.omp_wait_policy": _omp_wait_settings(),
