@@ -23,7 +23,6 @@ under autocast, grouped or non-zero-padded.
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
 
 import torch
@@ -83,13 +82,17 @@ def _output_size(conv: nn.Conv2d, x: Tensor) -> tuple[int, int]:
     return h, w
 
 
-@functools.cache
+# Read once: a plain global lets torch.compile fold it (calling into torch.backends here broke the graph
+# at every convolution).
+_AVX2_AT_BEST = torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
 def gemm_weight_grads_help() -> bool:
     """Whether this CPU's oneDNN computes small weight gradients with its slow GEMM kernel (AVX2 at best).
 
     Measured on AVX2 and AVX-512 CPUs only; other instruction sets keep PyTorch's path for them.
     """
-    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+    return _AVX2_AT_BEST
 
 
 def small_conv_path(conv: nn.Conv2d, x: Tensor) -> ConvPath:

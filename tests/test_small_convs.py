@@ -178,3 +178,12 @@ def test_auto_means_cpu() -> None:
     assert not resolve_small_conv_matmul("auto", torch.device("cuda"))
     assert not resolve_small_conv_matmul(False, torch.device("cpu"))
     assert resolve_small_conv_matmul(True, torch.device("cuda"))
+
+
+def test_the_choice_of_path_does_not_break_a_compiled_graph() -> None:
+    """train.compile on CPU: deciding the path must not stop torch.compile at every convolution."""
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1, stride=2))
+    use_matmul_for_small_convs(model)  # the CPU decides the weight-gradient path
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(torch.randn(2, 4, 2, 2))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
