@@ -15,7 +15,8 @@ from torchvision.transforms import v2
 
 from dmltrain.data import EvalLoader, SamplerSpec, TrainAugment, TrainLoader, prepare, train_transform
 from dmltrain.data import test_transform as eval_transform
-from dmltrain.data.loader import collate
+from dmltrain.data.errors import SampleError
+from dmltrain.data.loader import DECODE_BLOCK, collate
 from dmltrain.data.shards import Sample
 from dmltrain.data.transforms import decode, treats_channels_alike
 
@@ -161,3 +162,21 @@ def test_grey_sources_go_through_one_channel_and_come_out_as_their_rgb_conversio
 
     assert not treats_channels_alike(user_transform)
     assert collate(samples[:1], user_transform)[0].shape == (1, 3, 16, 16) and seen == [(3, 40, 30)]
+
+
+def test_collate_decodes_in_blocks_and_gives_the_image_by_image_batch() -> None:
+    """collate decodes DECODE_BLOCK images, then transforms them (cheaper than alternating): the crops still
+    draw the same random numbers in the same order, and a bad image is still named."""
+    rng = np.random.default_rng(1)
+    count = 2 * DECODE_BLOCK + 5  # three blocks, the last one short
+    arrays = [rng.integers(0, 256, (int(rng.integers(20, 50)), 33), dtype=np.uint8) for _ in range(count)]
+    samples = [Sample(f"s{i}", _png(a), cls=i, category=0) for i, a in enumerate(arrays)]
+    transform = train_transform(16, scale=(0.2, 1.0))
+    torch.manual_seed(3)
+    images, labels, _ = collate(samples, transform)
+    torch.manual_seed(3)
+    expected = torch.stack([transform(decode(s.data)) for s in samples])
+    assert torch.equal(images, expected) and labels.tolist() == list(range(count))
+    broken = [*samples[: DECODE_BLOCK + 2], Sample("bad", b"not an image", cls=0, category=0)]
+    with pytest.raises(SampleError, match=r"sample 'bad' .*cannot decode/transform the image"):
+        collate(broken, transform)
