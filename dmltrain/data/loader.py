@@ -79,7 +79,7 @@ def collate(samples: list[Sample], transform: Transform) -> tuple[torch.Tensor, 
             try:
                 images.append(as_rgb(transform(image)))
             except Exception as exc:
-                raise SampleError(f"{_where(sample)}: cannot decode/transform the image: {exc}") from exc
+                raise _unusable(sample, exc) from exc
     try:
         # default_collate stacks straight into shared memory inside a loader worker, which saves the copy
         # that sending an ordinary tensor to the main process would make.
@@ -113,7 +113,13 @@ def _decode(sample: Sample, keep_grey: bool) -> torch.Tensor:
     try:
         return decode(sample.data, keep_grey)
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
-        raise SampleError(f"{_where(sample)}: cannot decode/transform the image: {exc}") from exc
+        raise _unusable(sample, exc) from exc
+
+
+def _unusable(sample: Sample, exc: Exception) -> SampleError:
+    """The one error for a sample that cannot become a training image, whether decoding or the transform
+    failed (the message names the sample and its shard)."""
+    return SampleError(f"{_where(sample)}: cannot decode/transform the image: {exc}")
 
 
 def _where(sample: Sample) -> str:
