@@ -33,6 +33,8 @@ from torch.nn import functional as nn_functional
 from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms.v2 import functional as F
 
+from dmltrain.data.crops import crops_resampled, scripted_crops
+
 Transform = Callable[[torch.Tensor], torch.Tensor]
 ResizeMode = Literal["shorter_side", "warp"]
 RESIZE_MODES: tuple[ResizeMode, ...] = ("shorter_side", "warp")
@@ -193,9 +195,10 @@ class TrainAugment:
 
         Why: off the CPU, torchvision's uint8 resize casts to float, resamples, rounds and casts back, then
         flips: four or five kernel launches and its dispatch per image, on the thread that feeds a GPU step of
-        thousands of images (the GPU decode path's, which holds the GIL meanwhile). Here each image costs a
-        cast and one resample; rounding, flips and the cast back run once on the batch. On the CPU, uint8
-        bilinear resizes natively (different rounding), so there it is `apply` image by image."""
+        thousands of images (the GPU decode path's, beside the training thread). Here each image costs a
+        cast and one resample, in a loop that runs without the GIL; rounding, flips and the cast back run
+        once on the batch. On the CPU, uint8 bilinear resizes natively (different rounding), so there it is
+        `apply` image by image."""
         if len(images) != len(params):
             raise ValueError(f"{len(images)} images but {len(params)} crop parameters")
         if not images:
@@ -204,31 +207,19 @@ class TrainAugment:
             return torch.stack([self.apply(image, p) for image, p in zip(images, params, strict=True)])
         return self.resample_batch(images, params)
 
-    def resample_batch(self, images: Sequence[torch.Tensor], params: Sequence[CropFlip]) -> torch.Tensor:
+    def resample_batch(
+        self, images: Sequence[torch.Tensor], params: Sequence[CropFlip], *, off_the_gil: bool = True
+    ) -> torch.Tensor:
         """`apply_batch` in float on any device: torchvision's non-native uint8 path (the one it takes on
-        CUDA), which rounds once after each resample. Public so a CPU test can check it."""
+        CUDA), which rounds once after each resample. Public so a CPU test can check it. The per-image loop
+        runs in TorchScript, without the GIL (`dmltrain.data.crops`); ``off_the_gil=False`` runs the same
+        loop in Python, for the benchmark that compares them."""
         mode = _RESAMPLE_MODES[self.interpolation]
         smooth = mode in ("bilinear", "bicubic")
-        options = {"mode": mode, "align_corners": False if smooth else None, "antialias": smooth}
-        square = (self.size, self.size)
-        crops = []
-        for image, (top, left, height, width, _) in zip(images, params, strict=True):
-            if self.warp is not None and tuple(image.shape[-2:]) != (self.warp, self.warp):
-                warped = nn_functional.interpolate(
-                    image[None].float(), size=(self.warp, self.warp), **options
-                )
-                image = warped[0].clamp_(0, 255).round_()  # torchvision returns uint8 in between
-            rows, cols = image.shape[-2:]
-            outside = top < 0 or left < 0 or top + height > rows or left + width > cols
-            if outside:  # never drawn; torchvision pads such a box
-                crops.append(self._resized_crop(image.float(), top, left, height, width)[None])
-                continue
-            # (1, C, h, w) in one indexing op, and no squeeze after the resample: fewer calls per image
-            crop = image[None, :, top : top + height, left : left + width].float()
-            if (height, width) != square:
-                crop = nn_functional.interpolate(crop, size=square, **options)
-            crops.append(crop)
-        batch = torch.cat(crops).clamp_(0, 255).round_()
+        boxes = [[top, left, height, width] for top, left, height, width, _ in params]
+        loop = scripted_crops() if off_the_gil else crops_resampled
+        batch = loop(list(images), boxes, self.size, self.warp or 0, mode, False if smooth else None, smooth)
+        batch = batch.clamp_(0, 255).round_()
         flips = [i for i, p in enumerate(params) if p.flip]
         if flips:
             index = torch.tensor(flips, device=batch.device)

@@ -1,0 +1,51 @@
+"""The device decode path's crop loop (`dmltrain.data.crops`): compiled by TorchScript (so that it does not
+trade the GIL with the training thread per torch call; `bench/decode_thread.py` measures that), with the
+same pixels as the Python loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dmltrain.data import train_transform
+from dmltrain.data.crops import crops_resampled, scripted_crops
+
+
+def _images_and_boxes(count: int, seed: int = 0) -> tuple[list[torch.Tensor], list[list[int]]]:
+    rng = np.random.default_rng(seed)
+    images, boxes = [], []
+    for _ in range(count):
+        rows, cols = (int(v) for v in rng.integers(20, 90, size=2))
+        images.append(torch.from_numpy(rng.integers(0, 256, (3, rows, cols), dtype=np.uint8)))
+        height, width = int(rng.integers(5, rows + 1)), int(rng.integers(5, cols + 1))
+        boxes.append(
+            [int(rng.integers(0, rows - height + 1)), int(rng.integers(0, cols - width + 1)), height, width]
+        )
+    return images, boxes
+
+
+@pytest.mark.parametrize("warp", [0, 48])
+@pytest.mark.parametrize(
+    ("mode", "align_corners", "antialias"), [("bilinear", False, True), ("nearest", None, False)]
+)
+def test_the_compiled_loop_gives_the_python_loops_pixels(
+    warp: int, mode: str, align_corners: bool | None, antialias: bool
+) -> None:
+    compiled = scripted_crops()
+    assert isinstance(compiled, torch.jit.ScriptFunction), "TorchScript did not compile the crop loop"
+    images, boxes = _images_and_boxes(12)
+    boxes[0] = [-3, -2, 30, 28]  # past the edge: zero-padded in both
+    want = crops_resampled(images, boxes, 24, warp, mode, align_corners, antialias)
+    got = compiled(images, boxes, 24, warp, mode, align_corners, antialias)
+    assert got.shape == (12, 3, 24, 24) and torch.equal(got, want)
+
+
+def test_resample_batch_is_the_same_on_and_off_the_gil() -> None:
+    augment = train_transform(24, resize_mode="warp", resize=40)
+    images, _ = _images_and_boxes(10, seed=1)
+    torch.manual_seed(0)
+    params = [augment.draw(*image.shape[-2:]) for image in images]
+    assert torch.equal(
+        augment.resample_batch(images, params), augment.resample_batch(images, params, off_the_gil=False)
+    )
