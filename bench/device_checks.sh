@@ -10,6 +10,9 @@
 # then short calls made at once while the machine is warm (it is given back after 30 s idle). On
 # 2026-11-26 (one H100, 838 s held in all): `bash bench/device_checks.sh 570 service unit` (service 501 s,
 # unit cut off), then `... 250 unit` (55 s: 15 passed), then `... 205 service-tests` (150 s: 2 passed).
+# Later that day (one H100, 864 s held): `... 570` cut the service step at 520 s before its second run,
+# then `... 285 unit service-tests` (unit 119 s; the second service test was cut at its 147 s). The
+# service step now runs decode=cpu first (what the large-batch configs use) and one engine row fewer.
 # Earlier that day on one H200: service 249 s (decode=gpu only), unit 106 s, data 30 s, service-tests
 # 153 s, engine 71 s, and `bench/gpu.py --parts losses` 78 s.
 #
@@ -19,7 +22,7 @@
 #   unit     the same without the two service runs (they start Ray and compile: minutes)
 #   service-tests   only those two service runs
 #   data     bench/data.py --quick: nvJPEG decode + batched crops against the per-image crops and PIL
-#   service  bench/gpu.py --parts service, decode=gpu then cpu: img/s, data wait, phases, vs the engine
+#   service  bench/gpu.py --parts service, decode=cpu then gpu: img/s, data wait, phases, vs the engine
 #            alone, beside the device decoder and beside PIL decoding processes; torch.profiler tables and
 #            traces of one step of each (profile-*/), GPU utilisation and `top` samples (load-*)
 #   engine   bench/gpu.py --parts engine at B = 1,024 and 8,192 (chunked, eager / channels_last / compiled)
@@ -74,7 +77,7 @@ for step in "${steps[@]}"; do
       "${gpu_tests[@]}" ;;
     data) run data 120 python3 bench/data.py --quick --gpu-batch 128 ;;
     service) sample_load "$out/load"
-      run service 520 python3 bench/gpu.py --parts service --service-decode gpu cpu \
+      run service 520 python3 bench/gpu.py --parts service --service-decode cpu gpu \
         --workdir /tmp/bench-gpu --json "$out/service.json"
       kill "${samplers[@]}" 2>/dev/null
       cp -r /tmp/bench-gpu/service-decode-*.log /tmp/bench-gpu/profile-* "$out/" 2>/dev/null ;;
