@@ -12,7 +12,9 @@
 # unit cut off), then `... 250 unit` (55 s: 15 passed), then `... 205 service-tests` (150 s: 2 passed).
 # Later that day (one H100, 864 s held): `... 570` cut the service step at 520 s before its second run,
 # then `... 285 unit service-tests` (unit 119 s; the second service test was cut at its 147 s). The
-# service step now runs decode=cpu first (what the large-batch configs use) and one engine row fewer.
+# service step now runs decode=cpu first (what the large-batch configs use) and one engine row fewer, but
+# both runs still need about 700 s: in a 15-minute session run `... 570 service-gpu`, then at once
+# `... 330 service-cpu` (the JPEGs stay in /tmp/bench-gpu while the machine is warm), then give it back.
 # Earlier that day on one H200: service 249 s (decode=gpu only), unit 106 s, data 30 s, service-tests
 # 153 s, engine 71 s, and `bench/gpu.py --parts losses` 78 s.
 #
@@ -22,6 +24,7 @@
 #   unit     the same without the two service runs (they start Ray and compile: minutes)
 #   service-tests   only those two service runs
 #   data     bench/data.py --quick: nvJPEG decode + batched crops against the per-image crops and PIL
+#   service-cpu, service-gpu   the same with one data.decode: each fits one call with time to spare
 #   service  bench/gpu.py --parts service, decode=cpu then gpu: img/s, data wait, phases, vs the engine
 #            alone, beside the device decoder and beside PIL decoding processes; torch.profiler tables and
 #            traces of one step of each (profile-*/), GPU utilisation and `top` samples (load-*)
@@ -76,14 +79,15 @@ for step in "${steps[@]}"; do
     service-tests) run service-tests 300 python3 -m pytest -m "gpu and service" -rs -s -p no:cacheprovider \
       "${gpu_tests[@]}" ;;
     data) run data 120 python3 bench/data.py --quick --gpu-batch 128 ;;
-    service) sample_load "$out/load"
-      run service 520 python3 bench/gpu.py --parts service --service-decode cpu gpu \
-        --workdir /tmp/bench-gpu --json "$out/service.json"
+    service|service-cpu|service-gpu) sample_load "$out/load"
+      decodes=(cpu gpu) && [ "$step" != service ] && decodes=("${step#service-}")
+      run "$step" 520 python3 bench/gpu.py --parts service --service-decode "${decodes[@]}" \
+        --workdir /tmp/bench-gpu --json "$out/$step.json"
       kill "${samplers[@]}" 2>/dev/null
       cp -r /tmp/bench-gpu/service-decode-*.log /tmp/bench-gpu/profile-* "$out/" 2>/dev/null ;;
     engine) run engine 300 python3 bench/gpu.py --parts engine --engine-sizes 1024 8192 \
       --json "$out/engine.json" ;;
-    *) echo "unknown step $step (tests unit service-tests data service engine)"; exit 2 ;;
+    *) echo "unknown step $step (tests unit service-tests data service service-cpu service-gpu engine)"; exit 2 ;;
   esac
 done
 # The device tool returns at most 8 files: the summary, the machine, each step's log and JSON as they are,
