@@ -4,12 +4,15 @@ same pixels as the Python loop."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
 
+from dmltrain.data import crops as crops_module
 from dmltrain.data import train_transform
-from dmltrain.data.crops import crops_resampled, scripted_crops
+from dmltrain.data.crops import crops, crops_resampled, scripted_crops
 
 
 def _images_and_boxes(count: int, seed: int = 0) -> tuple[list[torch.Tensor], list[list[int]]]:
@@ -49,3 +52,36 @@ def test_resample_batch_is_the_same_on_and_off_the_gil() -> None:
     assert torch.equal(
         augment.resample_batch(images, params), augment.resample_batch(images, params, off_the_gil=False)
     )
+
+
+def test_a_compiled_loop_that_fails_gives_way_to_python_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = []
+
+    def broken(*args: object) -> torch.Tensor:
+        calls.append(1)
+        raise RuntimeError("unsupported in this build\nmore detail")
+
+    monkeypatch.setattr(crops_module, "scripted_crops", lambda: broken)
+    monkeypatch.setattr(crops_module, "_SCRIPT_FAILED", [])
+    images, boxes = _images_and_boxes(5)
+    want = crops_resampled(images, boxes, 24, 0, "bilinear", False, True)
+    with caplog.at_level(logging.WARNING, logger="dmltrain.data.crops"):
+        for _ in range(3):
+            assert torch.equal(crops(images, boxes, 24, 0, "bilinear", False, True), want)
+    assert len(calls) == 1, "the compiled loop is tried once, then the process crops in Python"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "the TorchScript crop loop failed (unsupported in this build); cropping in Python from now on"
+    ]
+
+
+def test_an_error_the_inputs_cause_is_raised_and_keeps_the_compiled_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(crops_module, "_SCRIPT_FAILED", [])
+    # nothing to concatenate: TorchScript's RuntimeError gives way to the error Python's loop raises
+    with pytest.raises(ValueError, match="non-empty list of Tensors"):
+        crops([], [], 24, 0, "bilinear", False, True)
+    assert crops_module._SCRIPT_FAILED == []

@@ -82,3 +82,38 @@ def scripted_crops() -> CropLoop:
     except Exception as exc:  # any failure to compile leaves the Python loop, which works
         log.warning("TorchScript cannot compile the crop loop (%s); it runs in Python, holding the GIL", exc)
         return crops_resampled
+
+
+_SCRIPT_FAILED: list[str] = []  # why the compiled loop was given up in this process, once it was
+
+
+def crops(
+    images: list[torch.Tensor],
+    boxes: list[list[int]],
+    size: int,
+    warp: int,
+    mode: str,
+    align_corners: bool | None,
+    antialias: bool,
+    *,
+    off_the_gil: bool = True,
+) -> torch.Tensor:
+    """`crops_resampled`, compiled where possible (``off_the_gil``). Should the compiled loop fail where the
+    Python loop does not (a TorchScript gap in some torch build or device), the process keeps cropping in
+    Python, with one warning; an error the inputs cause is raised by the Python loop, as it would be."""
+    args = (images, boxes, size, warp, mode, align_corners, antialias)
+    if off_the_gil and not _SCRIPT_FAILED:
+        try:
+            return scripted_crops()(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:
+            out = crops_resampled(*args)
+            _SCRIPT_FAILED.append(
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            )
+            log.warning(
+                "the TorchScript crop loop failed (%s); cropping in Python from now on", _SCRIPT_FAILED[0]
+            )
+            return out
+    return crops_resampled(*args)

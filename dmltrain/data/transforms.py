@@ -33,7 +33,7 @@ from torch.nn import functional as nn_functional
 from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms.v2 import functional as F
 
-from dmltrain.data.crops import crops_resampled, scripted_crops
+from dmltrain.data.crops import crops
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 ResizeMode = Literal["shorter_side", "warp"]
@@ -212,13 +212,22 @@ class TrainAugment:
     ) -> torch.Tensor:
         """`apply_batch` in float on any device: torchvision's non-native uint8 path (the one it takes on
         CUDA), which rounds once after each resample. Public so a CPU test can check it. The per-image loop
-        runs in TorchScript, without the GIL (`dmltrain.data.crops`); ``off_the_gil=False`` runs the same
-        loop in Python, for the benchmark that compares them."""
+        is compiled by TorchScript, so that it does not trade the GIL with the training thread at every
+        torch call (`dmltrain.data.crops`); ``off_the_gil=False`` runs the same loop in Python, for the
+        benchmark that compares them."""
         mode = _RESAMPLE_MODES[self.interpolation]
         smooth = mode in ("bilinear", "bicubic")
         boxes = [[top, left, height, width] for top, left, height, width, _ in params]
-        loop = scripted_crops() if off_the_gil else crops_resampled
-        batch = loop(list(images), boxes, self.size, self.warp or 0, mode, False if smooth else None, smooth)
+        batch = crops(
+            list(images),
+            boxes,
+            self.size,
+            self.warp or 0,
+            mode,
+            False if smooth else None,
+            smooth,
+            off_the_gil=off_the_gil,
+        )
         batch = batch.clamp_(0, 255).round_()
         flips = [i for i, p in enumerate(params) if p.flip]
         if flips:
