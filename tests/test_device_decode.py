@@ -262,6 +262,28 @@ def test_an_image_no_decoder_reads_is_named_by_sample_and_shard(jpegs: Path, tmp
         loader(no_scan, "gpu", workers=0).next_batch()
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_undecodable_image_on_the_device_path_ends_a_run_with_one_line_naming_it(
+    jpegs: Path, tmp_path: Path, workers: int
+) -> None:
+    """As on the CPU path (tests/test_data_tar.py): every attempt would replay the same sample, so the
+    error is one the worker loop does not retry, whether a loader worker found it (a truncated JPEG goes to
+    PIL there) or the decode thread did (the device decoder and PIL both refuse it)."""
+    from dmltrain.data.errors import SampleError
+    from dmltrain.service.errors import FATAL_IN_LOOP, as_fatal
+
+    for name, damage in (("truncated", lambda d: d[: len(d) // 2]), ("no_scan", _without_scan)):
+        root = _damaged(jpegs, tmp_path / name, damage)
+        with pytest.raises(SampleError) as caught:
+            loader(root, "gpu", workers=workers).next_batch()
+        assert isinstance(caught.value, FATAL_IN_LOOP)
+        line = str(as_fatal(caught.value, 0, "step 1"))
+        assert re.fullmatch(
+            r"rank 0 step 1: SampleError: sample '[^']+' of shard \S+\.tar: cannot decode.* the image: .+",
+            line,
+        ), (name, line)
+
+
 def test_an_image_the_device_decoder_refuses_is_decoded_by_pil(
     jpegs: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

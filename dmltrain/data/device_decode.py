@@ -113,7 +113,7 @@ def encode_part(samples: list[Sample], augment: TrainAugment) -> EncodedPart:
                 decoded.append(augment.apply(decode(sample.data), box))
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
             where = sample_name(sample.key, sample.url or str(sample.shard))
-            raise ValueError(f"{where}: cannot decode/transform the image: {exc}") from exc
+            raise SampleError(f"{where}: cannot decode/transform the image: {exc}") from exc
         sizes.append(len(sample.data) if device else 0)
         params.append([box.top, box.left, box.height, box.width, int(box.flip), height, width])
     data = _empty((sum(sizes),), torch.uint8)
