@@ -74,13 +74,13 @@ def crops_resampled(
 @functools.cache
 def scripted_crops() -> CropLoop:
     """`crops_resampled` compiled by TorchScript (once per process), or the Python function where that fails
-    (a torch without TorchScript, sources not shipped): the same pixels, with the GIL held."""
+    (a torch without TorchScript, sources not shipped): the same pixels, trading the GIL at every call."""
     try:
         with warnings.catch_warnings():  # its deprecation notice (torch >= 2.10) is for model export
             warnings.simplefilter("ignore", FutureWarning)
             return torch.jit.script(crops_resampled)
     except Exception as exc:  # any failure to compile leaves the Python loop, which works
-        log.warning("TorchScript cannot compile the crop loop (%s); it runs in Python, holding the GIL", exc)
+        log.warning("TorchScript cannot compile the crop loop (%s); it runs in Python", exc)
         return crops_resampled
 
 

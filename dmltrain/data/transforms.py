@@ -196,9 +196,9 @@ class TrainAugment:
         Why: off the CPU, torchvision's uint8 resize casts to float, resamples, rounds and casts back, then
         flips: four or five kernel launches and its dispatch per image, on the thread that feeds a GPU step of
         thousands of images (the GPU decode path's, beside the training thread). Here each image costs a
-        cast and one resample, in a loop that runs without the GIL; rounding, flips and the cast back run
-        once on the batch. On the CPU, uint8 bilinear resizes natively (different rounding), so there it is
-        `apply` image by image."""
+        cast and one resample, in a loop compiled by TorchScript (no GIL hand-off at every torch call);
+        rounding, flips and the cast back run once on the batch. On the CPU, uint8 bilinear resizes
+        natively (different rounding), so there it is `apply` image by image."""
         if len(images) != len(params):
             raise ValueError(f"{len(images)} images but {len(params)} crop parameters")
         if not images:
