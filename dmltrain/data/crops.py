@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as nn_functional
 
+from dmltrain.data.errors import first_line
+
 log = logging.getLogger(__name__)
 
 CropLoop = Callable[[list[torch.Tensor], list[list[int]], int, int, str, bool | None, bool], torch.Tensor]
@@ -109,9 +111,7 @@ def crops(
             raise
         except RuntimeError as exc:
             out = crops_resampled(*args)
-            _SCRIPT_FAILED.append(
-                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            )
+            _SCRIPT_FAILED.append(first_line(exc))
             log.warning(
                 "the TorchScript crop loop failed (%s); cropping in Python from now on", _SCRIPT_FAILED[0]
             )

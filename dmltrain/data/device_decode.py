@@ -32,7 +32,7 @@ from PIL import Image
 from torch.utils.data import get_worker_info
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from dmltrain.data.errors import SampleError
+from dmltrain.data.errors import SampleError, first_line, sample_name, unusable_sample
 from dmltrain.data.shards import Sample
 from dmltrain.data.transforms import CropFlip, TrainAugment, decode
 
@@ -47,11 +47,6 @@ warnings.filterwarnings("ignore", message=r"(?s).*image decoding and encoding ca
 
 # Columns of EncodedPart.params.
 _FLIP, _IMAGE_HEIGHT, _IMAGE_WIDTH = 4, 5, 6  # after the crop box (top, left, height, width)
-
-
-def sample_name(key: str, url: str) -> str:
-    """How messages name a sample (the same words as the CPU path's)."""
-    return f"sample {key!r} of shard {url}"
 
 
 @dataclass
@@ -112,8 +107,7 @@ def encode_part(samples: list[Sample], augment: TrainAugment) -> EncodedPart:
             if not device:
                 decoded.append(augment.apply(decode(sample.data), box))
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
-            where = sample_name(sample.key, sample.url or str(sample.shard))
-            raise SampleError(f"{where}: cannot decode/transform the image: {exc}") from exc
+            raise unusable_sample(sample, exc) from exc
         sizes.append(len(sample.data) if device else 0)
         params.append([box.top, box.left, box.height, box.width, int(box.flip), height, width])
     data = _empty((sum(sizes),), torch.uint8)
@@ -222,7 +216,7 @@ class DeviceDecoder:
                 return image
             why = f"decoded shape {tuple(image.shape)}, header says {shape}"
         except RuntimeError as exc:
-            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            why = first_line(exc)
         data = view.numpy().tobytes()
         try:
             image = decode(data)

@@ -3,6 +3,11 @@ samples), so the service ends a run on them instead of retrying (`dmltrain.servi
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dmltrain.data.shards import Sample
+
 
 class SampleError(ValueError):
     """A sample cannot become a training image: undecodable bytes, or a transform whose output sizes
@@ -11,3 +16,21 @@ class SampleError(ValueError):
 
 class SamplingError(RuntimeError):
     """A consumer's part of a batch cannot be drawn from the classes its shards hold."""
+
+
+def sample_name(key: str, url: str) -> str:
+    """How messages name a sample, on every decode path."""
+    return f"sample {key!r} of shard {url}"
+
+
+def unusable_sample(sample: Sample, exc: BaseException) -> SampleError:
+    """The one error for a sample that cannot become a training image, whether decoding or the transform
+    failed, on either decode path (the message names the sample and its shard)."""
+    where = sample_name(sample.key, sample.url or str(sample.shard))
+    return SampleError(f"{where}: cannot decode/transform the image: {exc}")
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's first line for a log or message line, or its type where it has no message."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from dmltrain.data.device_decode import DecodeMode, DeviceDecoder, EncodedPart, encode_part, resolve_decode
-from dmltrain.data.errors import SampleError
+from dmltrain.data.errors import SampleError, unusable_sample
 from dmltrain.data.metadata import DatasetInfo, load_dataset_info
 from dmltrain.data.plan import TrainPlan
 from dmltrain.data.sampling import Batcher, PoolBatcher, ReservoirBatcher, SamplerSpec, TripletBatcher
@@ -79,7 +79,7 @@ def collate(samples: list[Sample], transform: Transform) -> tuple[torch.Tensor, 
             try:
                 images.append(as_rgb(transform(image)))
             except Exception as exc:
-                raise _unusable(sample, exc) from exc
+                raise unusable_sample(sample, exc) from exc
     try:
         # default_collate stacks straight into shared memory inside a loader worker, which saves the copy
         # that sending an ordinary tensor to the main process would make.
@@ -113,17 +113,7 @@ def _decode(sample: Sample, keep_grey: bool) -> torch.Tensor:
     try:
         return decode(sample.data, keep_grey)
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
-        raise _unusable(sample, exc) from exc
-
-
-def _unusable(sample: Sample, exc: Exception) -> SampleError:
-    """The one error for a sample that cannot become a training image, whether decoding or the transform
-    failed (the message names the sample and its shard)."""
-    return SampleError(f"{_where(sample)}: cannot decode/transform the image: {exc}")
-
-
-def _where(sample: Sample) -> str:
-    return f"sample {sample.key!r} of shard {sample.url or sample.shard}"
+        raise unusable_sample(sample, exc) from exc
 
 
 def _as_is(item: Any) -> Any:
