@@ -90,3 +90,22 @@ def test_library_does_not_import_the_service() -> None:
             if m.startswith("dmltrain.service")
         }
         assert not service, f"{name} imports the service: {sorted(service)}"
+
+
+def test_the_command_line_rejects_a_config_typo_before_loading_torch_ray_or_mlflow() -> None:
+    """`python -m dmltrain.run` reads the config before it imports the launch: a typo costs a fraction of a
+    second, not the several seconds torch, Ray and MLflow take to import."""
+    code = (
+        "import sys\n"
+        "from dmltrain.run import main\n"
+        "status = main(['configs/quickstart.yaml', 'optim.lr_rate=0.1'])\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ray', 'mlflow'})\n"
+        "print(status, heavy)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["2", "[]"], result.stdout
+    assert "error: invalid config configs/quickstart.yaml" in result.stderr
+    assert "optim.lr_rate: unknown key" in result.stderr

@@ -99,7 +99,7 @@ def _register_train(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from dmltrain.service.run import main as run_main
+    from dmltrain.service.entry import main as run_main
 
     return run_main([args.config, *args.overrides])
 
@@ -123,15 +123,14 @@ def _register_sweep(parser: argparse.ArgumentParser) -> None:
 def _run_sweep(args: argparse.Namespace) -> int:
     from dmltrain.service.config import ConfigError
     from dmltrain.service.errors import FatalRunError
-    from dmltrain.service.logs import setup_logging
+    from dmltrain.service.logs import print_problems, setup_logging
     from dmltrain.service.sweeps import load_sweep, run_sweep
 
     setup_logging()
     try:
         outcome = run_sweep(load_sweep(args.sweep, args.overrides, name=args.name))
     except (ConfigError, FatalRunError) as error:
-        for line in str(error).splitlines():
-            print(line if line.startswith(" ") else f"error: {line}", file=sys.stderr)
+        print_problems(error)
         return 2
     print(outcome.summary)
     if args.summary:

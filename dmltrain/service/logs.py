@@ -13,6 +13,7 @@ warning that authentication is *off* is not.
 from __future__ import annotations
 
 import logging
+import sys
 
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 QUIET_LOGGERS = ("faiss.loader",)
@@ -39,3 +40,10 @@ def setup_logging(level: int = logging.INFO) -> None:
     ray_auth = logging.getLogger(RAY_AUTH_LOGGER)
     if not any(isinstance(f, _DropNotice) for f in ray_auth.filters):
         ray_auth.addFilter(_DropNotice(RAY_AUTH_ON_NOTICE))
+
+
+def print_problems(error: BaseException) -> None:
+    """A config or data error on stderr, one ``error:`` line per problem (indented lines continue the one
+    above): what ``python -m dmltrain.run`` and ``dmltrain sweep`` print before exiting with status 2."""
+    for line in str(error).splitlines():
+        print(line if line.startswith(" ") else f"error: {line}", file=sys.stderr)

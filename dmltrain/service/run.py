@@ -1,4 +1,5 @@
-"""``python -m dmltrain.run CONFIG [key.sub=value ...]``: validate, prepare, and run one experiment on Ray.
+"""Validate, prepare, and run one experiment on Ray (``python -m dmltrain.run``; its command line is
+:mod:`dmltrain.service.entry`).
 
 The driver does everything that must happen once and before any worker starts, so that a mistake costs
 seconds and one line instead of a worker group failing (and being retried) on every rank:
@@ -17,7 +18,6 @@ seconds and one line instead of a worker group failing (and being retried) on ev
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -40,9 +40,9 @@ from dmltrain.service.cluster import (
     resolve_use_gpu,
     storage_problems,
 )
-from dmltrain.service.config import LOADER_PRIORITY_ENV, ConfigError, ExperimentConfig, flatten, load_config
+from dmltrain.service.config import LOADER_PRIORITY_ENV, ConfigError, ExperimentConfig, flatten
 from dmltrain.service.errors import FatalRunError, fatal_cause
-from dmltrain.service.logs import setup_logging
+from dmltrain.service.logs import print_problems
 from dmltrain.service.preflight import check_config, check_data, load_data
 from dmltrain.service.resume import plan_launch
 from dmltrain.service.tracking import (
@@ -405,24 +405,13 @@ def launch(
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m dmltrain.run",
-        description="Train an embedding network with a ranking loss on Ray Train, tracked in MLflow.",
-    )
-    parser.add_argument("config", help="experiment YAML, e.g. configs/quickstart.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.steps=100 optim.lr=1e-4")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging()
+def run_and_report(config: ExperimentConfig) -> int:
+    """Launch a validated config and report as the command line does; returns the exit status
+    (``dmltrain.service.entry`` reads and validates the config before importing this module)."""
     try:
-        outcome = launch(load_config(args.config, args.overrides))
+        outcome = launch(config)
     except (ConfigError, FatalRunError) as error:
-        for line in str(error).splitlines():  # one line per problem; indented lines continue the one above
-            print(line if line.startswith(" ") else f"error: {line}", file=sys.stderr)
+        print_problems(error)
         return 2
     except _Terminated as stop:
         print(f"stopped: {stop}; the MLflow run is marked KILLED and a relaunch resumes it", file=sys.stderr)
@@ -439,7 +428,3 @@ def main(argv: list[str] | None = None) -> int:
     if outcome.registered:
         print(f"  registered: {outcome.registered}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
