@@ -361,7 +361,13 @@ def load_index(directory: str | os.PathLike[str]) -> StoredIndex:
             f"{root / META_FILE}: format_version {meta.get('format_version')} != {FORMAT_VERSION}"
         )
     spec = IndexSpec(**meta["spec"])
-    raw = faiss.read_index(str(root / INDEX_FILE))
+    try:
+        raw = faiss.read_index(str(root / INDEX_FILE))
+    except RuntimeError as exc:  # faiss's message is a multi-line C++ trace; its last line says what failed
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        raise ValueError(
+            f"{root / INDEX_FILE}: faiss cannot read it ({lines[-1] if lines else exc})"
+        ) from None
     _reapply_search_params(raw, spec)
     with np.load(root / IDS_FILE, allow_pickle=False) as data:
         ids = IdMap(data["shard"], data["key"], data["label"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -18,6 +19,9 @@ from dmltrain.data.transforms import Transform, decode
 from dmltrain.models import normalize_images
 
 __all__ = ["embed_batch", "embed_images", "image_tensor"]
+
+
+_IN_MEMORY_FILE = re.compile(r" <_io\.\w+ object at 0x[0-9a-fA-F]+>")
 
 
 def image_tensor(image: Any, what: str = "image") -> torch.Tensor:
@@ -32,7 +36,10 @@ def image_tensor(image: Any, what: str = "image") -> torch.Tensor:
         try:
             return decode(bytes(image))
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
-            raise ValueError(f"{what}: cannot decode the image bytes ({type(exc).__name__}: {exc})") from exc
+            reason = _IN_MEMORY_FILE.sub("", str(exc))  # PIL names the BytesIO object it was given
+            raise ValueError(
+                f"{what}: cannot decode the image bytes ({type(exc).__name__}: {reason})"
+            ) from exc
     a = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
     if a.dtype != np.uint8:
         raise ValueError(f"{what}: arrays must be uint8 (H, W, C), got dtype {a.dtype}")
@@ -68,16 +75,18 @@ def embed_images(
     device: torch.device,
     batch_size: int = 64,
     normalize: Callable[[torch.Tensor], torch.Tensor] = normalize_images,
+    names: Sequence[str] | None = None,
 ) -> np.ndarray:
     """Embed encoded images or uint8 arrays of any size: each goes through ``transform`` (the test resize +
-    centre crop), then batches through :func:`embed_batch`. Returns float32 (N, D)."""
+    centre crop), then batches through :func:`embed_batch`. Returns float32 (N, D). An image that cannot
+    be read is named in the error by ``names`` (file names, say), else by its position."""
     was_training = net.training
     net.eval()
     rows: list[np.ndarray] = []
     batch: list[torch.Tensor] = []
     try:
         for i, image in enumerate(images):
-            batch.append(transform(image_tensor(image, f"image {i}")))
+            batch.append(transform(image_tensor(image, names[i] if names is not None else f"image {i}")))
             if len(batch) == batch_size:
                 rows.append(embed_batch(net, torch.stack(batch), device, None, normalize).cpu().numpy())
                 batch = []

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,6 +258,62 @@ def test_index_and_search_cli(served: Served, tmp_path: Path, capsys: pytest.Cap
         cli(["search", str(out), str(tmp_path / "missing.png"), "--tracking-uri", served.tracking_uri]) == 2
     )
     assert "image not found" in capsys.readouterr().err
+    corrupt = tmp_path / "corrupt.jpg"
+    corrupt.write_bytes(b"not an image")
+    assert cli(["search", str(out), str(files[0]), str(corrupt), "--tracking-uri", served.tracking_uri]) == 2
+    err = capsys.readouterr().err
+    assert f"{corrupt}: cannot decode the image bytes" in err and "object at 0x" not in err, err
+
+
+def test_search_an_index_logged_to_a_run(
+    served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """runs:/<id>/indexes/<name>: downloaded, read into memory and removed at once (one search used to
+    leave a copy of the whole index in the temp dir); a wrong run or index name is one line, status 2."""
+    model = f"runs:/{served.run_id}/model"
+    code = cli(
+        [
+            "index",
+            model,
+            str(served.glyphs),
+            "--out",
+            str(tmp_path / "idx"),
+            "--tracking-uri",
+            served.tracking_uri,
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+    capsys.readouterr()
+    key, data, cls = _test_samples(served.glyphs, 1)[0]
+    query = tmp_path / "q.png"
+    query.write_bytes(data)
+    downloads = tmp_path / "tmp"
+    downloads.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(downloads))
+    logged = f"runs:/{served.run_id}/indexes/glyphs_test"
+    assert (
+        cli(["search", logged, str(query), "-k", "2", "--json", "--tracking-uri", served.tracking_uri]) == 0
+    )
+    top = json.loads(capsys.readouterr().out)[0]["neighbours"][0]
+    assert (top["key"], top["class"]) == (key, cls)
+    assert list(downloads.iterdir()) == []
+    for wrong in (f"runs:/{served.run_id}/indexes/nope", "runs:/0123456789abcdef0123456789abcdef/indexes/x"):
+        assert cli(["search", wrong, str(query), "--tracking-uri", served.tracking_uri]) == 2, wrong
+        err = capsys.readouterr().err
+        assert err.startswith(f"dmltrain search: error: {wrong}: not found in the MLflow store"), err
+        assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_file_that_is_not_a_model_is_one_line(
+    served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    truncated = tmp_path / "model.pt"
+    truncated.write_bytes(served.weights.read_bytes()[:1000])
+    for bad in (REPO / "README.md", truncated):
+        assert cli(["evaluate", str(bad), str(served.glyphs), "--max-images", "10"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"dmltrain evaluate: error: {bad} is not a readable dmltrain model file"), err
+        assert len(err.strip().splitlines()) == 1, err
 
 
 def _clustered(
@@ -313,6 +370,9 @@ def test_index_spec_choice_and_round_trip(tmp_path: Path) -> None:
         assert loaded.ids.row(7) == {"id": 7, "shard": 0, "key": "k7", "class": int(y[7])}
         exact = build_index(x, "flat").search(x[:200], 10)[1]
         assert neighbour_recall(loaded.search(x[:200], 10)[1], exact) >= 0.8
+    (tmp_path / "hnsw" / "index.faiss").write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError, match=r"hnsw/index.faiss: faiss cannot read it"):
+        load_index(tmp_path / "hnsw")
     (tmp_path / "flat" / "ids.npz").unlink()
     with pytest.raises(FileNotFoundError, match="ids.npz is missing"):
         load_index(tmp_path / "flat")

@@ -10,13 +10,40 @@ import yaml
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
+from dmltrain.service.cli import parse_args
 from dmltrain.service.config import ConfigError
 from dmltrain.service.sweeps import load_sweep, run_sweep
 from dmltrain.service.sweeps.driver import concurrent_trials
 from dmltrain.service.sweeps.spec import run_name
+from dmltrain.service.sweeps.summary import TrialResult
 from dmltrain.service.sweeps.trial import BASELINE_TAG, TRIAL_TAG
 
 REPO = Path(__file__).parents[1]
+
+
+def test_summary_counts_the_steps_a_trial_trained_not_its_first_launchs_setting() -> None:
+    """MLflow params keep the first launch's train.steps: a trial extended by a relaunch, or killed early,
+    must be reported with the steps it logged (and the images those saw)."""
+
+    def trial(history: dict[str, list[tuple[int, float]]]) -> TrialResult:
+        params = {"train.steps": "20", "train.global_batch_size": "128"}
+        return TrialResult("t", "r", "FINISHED", "trial", params, {}, history)
+
+    extended = trial({"train/loss": [(10, 1.0), (20, 0.9), (30, 0.8)], "eval/test/recall_at_1": [(0, 0.1)]})
+    assert (extended.row()["steps"], extended.row()["images_seen"]) == (30, 30 * 128)
+    killed = trial({"train/loss": [(5, 1.0), (12, 0.9)]})
+    assert (killed.row()["steps"], killed.row()["images_seen"]) == (12, 12 * 128)
+    assert trial({}).row()["steps"] == 20  # nothing logged: the configured steps are all there is
+
+
+def test_overrides_may_follow_options_on_the_command_line() -> None:
+    args = parse_args(["sweep", "s.yaml", "a.b=1", "--name", "x", "train.steps=40", "--summary", "t.md"])
+    assert (args.sweep, args.name, args.summary) == ("s.yaml", "x", "t.md")
+    assert args.overrides == ["a.b=1", "train.steps=40"]
+    with pytest.raises(SystemExit):  # still refused: an unknown option, or a stray word that is no override
+        parse_args(["sweep", "s.yaml", "--nmae", "x"])
+    with pytest.raises(SystemExit):
+        parse_args(["sweep", "s.yaml", "--name", "x", "steps"])
 
 
 def _write(path: Path, spec: dict) -> Path:
@@ -125,6 +152,9 @@ def test_two_trial_sweep_nests_child_runs_under_one_parent(
     assert parent.info.status == "FINISHED" and parent.data.tags["dmltrain.sweep"] == "tiny"
     artifacts = {a.path for a in client.list_artifacts(outcome.parent_run_id)}
     assert {"summary.md", "summary.json", "sweep.yaml", "trials.yaml", "plots"} <= artifacts
+    listing = Path(client.download_artifacts(outcome.parent_run_id, "trials.yaml", str(tmp_path))).read_text()
+    assert "&id" not in listing and "*id" not in listing, listing  # plain YAML a person reads, no aliases
+    assert [t["label"] for t in yaml.safe_load(listing)] == ["smoothap", "fastap"]
     plots = {a.path for a in client.list_artifacts(outcome.parent_run_id, "plots")}
     assert {"plots/recall_at_1_by_step.png", "plots/recall_at_1_by_images.png"} <= plots
 

@@ -22,7 +22,7 @@ from dmltrain.data.shards import read_shard
 from dmltrain.data.urls import is_local, local_path
 from dmltrain.index import IdMap, StoredIndex, build_index, choose_spec, load_index, save_index
 from dmltrain.inference import embed_batch, embed_images, image_tensor
-from dmltrain.service.serving.loading import LoadedModel, is_mlflow_uri, load_embedding_model
+from dmltrain.service.serving.loading import LoadedModel, downloaded, is_mlflow_uri, load_embedding_model
 
 log = logging.getLogger("dmltrain.service.serving.indexing")
 
@@ -128,15 +128,9 @@ def build_split_index(
 def open_index(ref: str | Path, tracking_uri: str | None = None) -> StoredIndex:
     """A local index directory, or one logged to MLflow (``runs:/<run_id>/indexes/<name>``)."""
     text = str(ref)
-    if is_mlflow_uri(text):
-        import mlflow
-
-        from dmltrain.service.serving.uris import tracking_uri as tracking_uri_block
-        from dmltrain.service.tracking import resolve_tracking_uri
-
-        uri = resolve_tracking_uri(tracking_uri)
-        with tracking_uri_block(uri):
-            text = mlflow.artifacts.download_artifacts(artifact_uri=text, tracking_uri=uri)
+    if is_mlflow_uri(text):  # read into memory, so the downloaded copy can go at once
+        with downloaded(text, tracking_uri) as local:
+            return load_index(local)
     return load_index(text)
 
 
@@ -163,7 +157,12 @@ def search_images(
         data.append(file.read_bytes())
     model = load_embedding_model(model_ref or stored.meta["model"], tracking_uri)
     embeddings = embed_images(
-        model.net, data, model.transform, model.device, normalize=model.preprocessing.normalizer()
+        model.net,
+        data,
+        model.transform,
+        model.device,
+        normalize=model.preprocessing.normalizer(),
+        names=[str(path) for path in images],
     )
     scores, ids = stored.search(embeddings, k)
     names = stored.meta.get("class_names", {})

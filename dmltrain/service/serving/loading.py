@@ -140,10 +140,17 @@ def located(ref: str, tracking_uri: str | None = None) -> Iterator[tuple[Path, s
     if not is_mlflow_uri(ref):
         yield _local(ref)
         return
+    with downloaded(ref, tracking_uri) as local:
+        yield _weights_in(local), _run_id_of(local)
+
+
+@contextmanager
+def downloaded(ref: str, tracking_uri: str | None = None) -> Iterator[Path]:
+    """An MLflow artifact (``runs:/`` or ``models:/``) in a temporary folder removed when the block ends;
+    FileNotFoundError naming the reference and the store when it is not there."""
     directory = tempfile.mkdtemp(prefix=_DOWNLOAD_PREFIX)
     try:
-        local = _download(ref, tracking_uri, directory)
-        yield _weights_in(local), _run_id_of(local)
+        yield _download(ref, tracking_uri, directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -76,15 +76,19 @@ def publish_run_models(result: Any, config: ExperimentConfig, tracking: str, run
         models[BEST_MODEL] = _log_checkpoint(checkpoint, config, tracking, run_id, BEST_MODEL, tags)
     registered = None
     if config.mlflow.register_as and FINAL_MODEL in models:
-        registered = register(tracking, run_id, config.mlflow.register_as)
+        registered = register(tracking, run_id, config.mlflow.register_as, model_uri=models[FINAL_MODEL][0])
     return Published(models, registered)
 
 
-def register(tracking: str, run_id: str, name: str, artifact: str = FINAL_MODEL) -> str:
-    """Register ``runs:/<run_id>/<artifact>`` as a new version of ``name``; returns its models:/ URI."""
+def register(
+    tracking: str, run_id: str, name: str, artifact: str = FINAL_MODEL, model_uri: str | None = None
+) -> str:
+    """Register ``runs:/<run_id>/<artifact>`` as a new version of ``name``; returns its models:/ URI.
+    ``model_uri``: the logged model's own URI (``models:/m-...``, from logging it), which MLflow 3 would
+    otherwise look up from the runs:/ form with a warning that reads like a fault."""
     import mlflow
 
     with tracking_uri(tracking):
-        version = mlflow.register_model(f"runs:/{run_id}/{artifact}", name)
+        version = mlflow.register_model(model_uri or f"runs:/{run_id}/{artifact}", name)
     log.info("registered runs:/%s/%s as models:/%s/%s", run_id, artifact, name, version.version)
     return f"models:/{name}/{version.version}"

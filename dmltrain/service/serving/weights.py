@@ -36,7 +36,16 @@ def load_weights(path: str | os.PathLike[str]) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"model file not found: {file}")
-    saved = torch.load(file, map_location="cpu", weights_only=True)
+    try:
+        saved = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # UnpicklingError, RuntimeError, EOFError, KeyError... by the kind of damage
+        # torch's own text for a non-checkpoint suggests weights_only=False, which is not the answer here;
+        # a damaged archive's RuntimeError does say what is wrong.
+        text = str(exc).strip()
+        reason = type(exc).__name__ + (
+            f": {text.splitlines()[0]}" if isinstance(exc, RuntimeError) and text else ""
+        )
+        raise ValueError(f"{file} is not a readable dmltrain model file ({reason})") from None
     if not isinstance(saved, dict) or "model" not in saved or "config" not in saved:
         raise ValueError(f"{file} is not a dmltrain model file (expected keys 'model' and 'config')")
     return saved

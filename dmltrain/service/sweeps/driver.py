@@ -17,6 +17,7 @@ starts that can fail on a typo:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -123,6 +124,7 @@ def _parent_run(sweep: Sweep, trials: Sequence[Trial], tracking_uri: str, key: s
     client.log_param(run_id, "sweep.trials", len(trials))
     client.log_text(run_id, sweep.source.read_text(), "sweep.yaml")
     listing = [{"label": t.label, "run.name": t.config.run.name, "overrides": t.overrides} for t in trials]
+    listing = json.loads(json.dumps(listing))  # trials share override values: no YAML anchors/aliases
     client.log_text(run_id, yaml.safe_dump(listing, sort_keys=False), "trials.yaml")
     return run_id, False
 

@@ -65,10 +65,16 @@ class TrialResult:
         values = [v for _, v in self.history.get(key, []) if math.isfinite(v)]
         return max(values) if values else None
 
+    def steps_trained(self) -> int | None:
+        """The last step the run logged anything at. Not the ``train.steps`` param: params keep the first
+        launch's values, so a trial extended by a relaunch (or stopped early) would be misreported."""
+        logged = [step for series in self.history.values() for step, _ in series]
+        return max(logged) if logged else _int(self.params.get("train.steps"))
+
     def row(self) -> dict[str, Any]:
         """The flat summary of this run (what ``summary.json`` and the tables hold)."""
         batch = _int(self.params.get("train.global_batch_size"))
-        steps = _int(self.params.get("train.steps"))
+        steps = self.steps_trained()
         return {
             "label": self.label,
             "kind": self.kind,
