@@ -284,7 +284,11 @@ class TrainConfig(_Section):
 class EvalConfig(_Section):
     ks: tuple[int, ...] = (1, 2, 4, 8)
     batch_size: int = Field(default=128, ge=1)
-    max_images: int | None = Field(default=None, ge=2, description="Cap for quick checks; None = all.")
+    max_images: int | None = Field(
+        default=None,
+        ge=2,
+        description="Quick checks: only the first N images of each split (N // workers a rank); None = all.",
+    )
     grid_queries: int = Field(default=8, ge=0, description="Queries in the retrieval-grid plot.")
     cache_mb: int = Field(
         default=1024,

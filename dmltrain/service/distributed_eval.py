@@ -96,11 +96,13 @@ class EmbeddedSplit:
 
 
 def _first_images(loader: EvalLoader, limit: int | None) -> Iterator[Batch]:
-    """The loader's batches until ``limit`` images (``eval.max_images`` per rank) have passed."""
+    """The loader's first ``limit`` images (``eval.max_images`` per rank), the last batch cut to fit."""
     seen = 0
     for images, labels, _categories, _keys in loader:
         if limit is not None and seen >= limit:
             return
+        if limit is not None and seen + len(images) > limit:
+            images, labels = images[: limit - seen], labels[: limit - seen]
         yield images, labels
         seen += len(images)
 
@@ -149,7 +151,8 @@ def embed_split(
             info=info,
         )
         limit = None if config.eval.max_images is None else config.eval.max_images // world
-        batches, total = _first_images(loader, limit), loader.num_samples
+        batches = _first_images(loader, limit)
+        total = loader.num_samples if limit is None else min(limit, loader.num_samples)
         if cache is not None:
             batches = cache.collect(split, batches)
     was_training = net.training
