@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from dmltrain.service.checkpoints import count_ray_checkpoints
 from dmltrain.service.config import ConfigError, ExperimentConfig, flatten, load_config
-from dmltrain.service.resume import RESUMABLE_KEYS, config_changes, plan_launch
+from dmltrain.service.resume import DATA_CHANGE, RESUMABLE_KEYS, config_changes, plan_launch
 from dmltrain.service.tracking import (
     ExistingRun,
     Segment,
@@ -108,6 +108,35 @@ def test_stored_configs_are_compared_key_by_key() -> None:
     assert "<stored config>" in changes
     assert {"train.steps", "run.resume", "train.checkpoint_every"} <= RESUMABLE_KEYS
     assert not {"optim.lr", "loss.name", "data.root", "train.global_batch_size"} & RESUMABLE_KEYS
+
+
+def test_data_prepared_again_differently_is_a_change(tmp_path: Path) -> None:
+    """`dmltrain prepare` again with another --test-fraction (or resize, seed) under the same data.root:
+    no config key changes, but the run would train on former test classes and mix two test sets. The
+    fingerprint in dataset.json tells; the run's MLflow record keeps the one it trained on."""
+    old = _config()
+    recorded = ExistingRun("abc123", "KILLED", 200, 1, old.model_dump(mode="json"), data_fingerprint="aaa")
+    assert plan_launch(old, recorded, 2, URI, "aaa").action == "resume"
+    with pytest.raises(ConfigError) as refused:
+        plan_launch(old, recorded, 2, URI, "bbb")
+    message = str(refused.value)
+    assert f"changes {DATA_CHANGE}: aaa -> bbb" in message and "\n" not in message
+    plan = plan_launch(_config("run.resume=must"), recorded, 2, URI, "bbb")
+    assert plan.action == "resume" and plan.changed[DATA_CHANGE] == ("aaa", "bbb")
+    # A run recorded before fingerprints were kept, or a launch that does not know its data: no verdict.
+    assert plan_launch(old, _existing(old, status="KILLED", step=200), 2, URI, "bbb").action == "resume"
+    assert plan_launch(old, recorded, 2, URI, None).action == "resume"
+
+    # The record itself: each launch's segment sets the run's tag, which find_run reads back.
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    key = run_key(old.run.storage_path, old.run.name)
+    segment = Segment(1, 0, "auto", {}, old.model_dump(mode="json"), "aaa")
+    run_id = create_run(uri, "exp", key, "quickstart", flatten(old), segment)
+    found = find_run(uri, "exp", key)
+    assert found is not None and found.data_fingerprint == "aaa"
+    continue_run(uri, run_id, Segment(2, 0, "must", {DATA_CHANGE: ("aaa", "bbb")}, segment.config, "bbb"))
+    found = find_run(uri, "exp", key)
+    assert found is not None and found.data_fingerprint == "bbb"
 
 
 def test_segments_and_status_in_mlflow(tmp_path: Path) -> None:

@@ -94,11 +94,21 @@ def _describe(changes: dict[str, tuple[str | None, str | None]]) -> str:
     return ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changes.items())
 
 
+DATA_CHANGE = "<data: dataset.json fingerprint>"  # a change no config key shows: the data was re-prepared
+
+
 def plan_launch(
-    config: ExperimentConfig, existing: ExistingRun | None, checkpoints: int | None, tracking_uri: str
+    config: ExperimentConfig,
+    existing: ExistingRun | None,
+    checkpoints: int | None,
+    tracking_uri: str,
+    data_fingerprint: str | None = None,
 ) -> LaunchPlan:
     """Decide from ``run.resume``, the run's MLflow record and the number of Ray checkpoints on storage
-    (None: storage could not be listed, so only MLflow's record counts).
+    (None: storage could not be listed, so only MLflow's record counts). ``data_fingerprint``: the
+    fingerprint in the ``dataset.json`` this launch would train on. Data prepared again with other options
+    (another test split, resize, seed) under the same ``data.root`` changes it, and is a change like any
+    other setting: continuing would train on former test classes and mix two test sets in one run.
 
     Raises ConfigError (one line, naming ``run.resume`` / ``run.name`` and what to do) when refused.
     """
@@ -140,6 +150,9 @@ def plan_launch(
         changed = config_changes(existing.config, config)
     else:
         changed = {"<stored config>": ("unreadable", None)}
+    known = existing.data_fingerprint
+    if known and data_fingerprint and known != data_fingerprint:
+        changed[DATA_CHANGE] = (known, data_fingerprint)
     blocking = {k: v for k, v in changed.items() if k not in RESUMABLE_KEYS}
     if blocking and mode == "auto":
         raise ConfigError(

@@ -309,7 +309,7 @@ def launch(
     view = check_cluster(config, tracking_uri, tracking_is_default)
     topology = decide_topology(config.scaling.topology, view)
     config = resolve_paths(config)
-    prepare_data(config)
+    info = prepare_data(config)
     if topology.multi_node:
         problems = check_shared_paths(config, view)
         if problems:
@@ -322,7 +322,7 @@ def launch(
     key = run_key(config.run.storage_path, config.run.name)
     existing = find_run(tracking_uri, config.mlflow.experiment, key)
     checkpoints = count_ray_checkpoints(config.run.storage_path, config.run.name)
-    plan = plan_launch(config, existing, checkpoints, tracking_uri)
+    plan = plan_launch(config, existing, checkpoints, tracking_uri, info.fingerprint)
     if plan.message:
         log.info("%s", plan.message)
     if plan.action == "done":
@@ -350,13 +350,18 @@ def launch(
             key,
             config.run.name,
             flatten(config),
-            Segment(1, 0, config.run.resume, {}, config_dump),
+            Segment(1, 0, config.run.resume, {}, config_dump, info.fingerprint),
             tags=tags,
         )
     else:
         run_id = existing.run_id
         segment = Segment(
-            existing.segments + 1, existing.checkpoint_step or 0, config.run.resume, plan.changed, config_dump
+            existing.segments + 1,
+            existing.checkpoint_step or 0,
+            config.run.resume,
+            plan.changed,
+            config_dump,
+            info.fingerprint,
         )
         continue_run(tracking_uri, run_id, segment)
     log.info("MLflow run %s (%s) at %s", run_id, "resumed" if existing else "new", tracking_uri)

@@ -34,6 +34,7 @@ CHECKPOINT_STEP_TAG = "dmltrain.checkpoint_step"
 SEGMENT_TAG = "dmltrain.segment"  # number of the latest launch
 SEGMENTS_TAG = "dmltrain.segments"  # "1@0; 2@300 (train.steps: 300 -> 600)": every launch, its first step
 SEGMENT_METRIC = "run/segment"  # N logged at the first step of launch N
+DATA_TAG = "dmltrain.data_fingerprint"  # dataset.json's fingerprint of the latest launch's data
 _MAX_TAG_LENGTH = 5000
 _MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 _BATCH = 100  # params or metrics per log_batch call, well under MLflow's limits
@@ -69,6 +70,7 @@ class ExistingRun:
     checkpoint_step: int | None  # last checkpoint rank 0 recorded (tag dmltrain.checkpoint_step)
     segments: int  # launches so far
     config: dict[str, Any] | None  # the latest launch's resolved config; None when it cannot be read
+    data_fingerprint: str | None = None  # the latest launch's dataset.json fingerprint (tag; None: unknown)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Segment:
     resume: str  # run.resume of this launch
     changed: dict[str, tuple[str | None, str | None]]  # flattened key -> (previous, this launch)
     config: dict[str, Any]
+    data_fingerprint: str | None = None  # dataset.json's fingerprint: the data this launch trains on
 
     def artifact_name(self) -> str:
         return f"segments/segment_{self.number:02d}.yaml"
@@ -92,6 +95,7 @@ class Segment:
             "launched": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "resume": self.resume,
             "changed": {key: {"from": old, "to": new} for key, (old, new) in sorted(self.changed.items())},
+            "data_fingerprint": self.data_fingerprint,
             "config": self.config,
         }
         return yaml.safe_dump(record, sort_keys=False)
@@ -144,6 +148,7 @@ def find_run(tracking_uri: str, experiment: str, key: str) -> ExistingRun | None
         checkpoint_step=int(step) if step is not None and step.isdigit() else None,
         segments=int(tags.get(SEGMENT_TAG, "1")),
         config=_latest_config(client, run.info.run_id),
+        data_fingerprint=tags.get(DATA_TAG),
     )
 
 
@@ -211,7 +216,11 @@ def _record_segment(client: MlflowClient, run_id: str, segment: Segment, previou
     client.log_batch(
         run_id,
         metrics=[Metric(SEGMENT_METRIC, float(segment.number), int(time.time() * 1000), segment.start_step)],
-        tags=[RunTag(SEGMENT_TAG, str(segment.number)), RunTag(SEGMENTS_TAG, history)],
+        tags=[
+            RunTag(SEGMENT_TAG, str(segment.number)),
+            RunTag(SEGMENTS_TAG, history),
+            *([RunTag(DATA_TAG, segment.data_fingerprint)] if segment.data_fingerprint else []),
+        ],
     )
 
 
