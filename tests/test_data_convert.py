@@ -89,6 +89,32 @@ def test_prepare_is_idempotent_and_deterministic(tmp_path: Path) -> None:
     assert not list(out.glob("*.tmp*"))
 
 
+def test_a_re_run_repairs_a_build_that_lost_or_cut_a_shard(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The same options again used to say "up to date" over a deleted or truncated shard: a re-run is
+    how a user repairs a copy, so the build is checked file by file and rebuilt when a shard is off."""
+    src = tmp_path / "src"
+    for c in range(3):
+        for i in range(4):
+            write_image(src / f"c{c}" / f"{i}.png", c * 10 + i, "PNG")
+    out = tmp_path / "out"
+    info = prepare("folder", str(src), out, shard_size=4, progress=False)
+    shards = [out / s.name for s in info.splits["train"].shards]
+    assert all(s.size_bytes == (out / s.name).stat().st_size for s in info.splits["train"].shards)
+    intact = {p.name: p.read_bytes() for p in shards}
+    shards[0].unlink()
+    shards[1].write_bytes(intact[shards[1].name][:1000])
+    capsys.readouterr()
+    prepare("folder", str(src), out, shard_size=4, progress=True)
+    err = capsys.readouterr().err
+    assert f"rebuilding: {shards[0].name} is missing; {shards[1].name} has 1000 bytes" in err, err
+    assert "up to date" not in err
+    assert {p.name: p.read_bytes() for p in shards} == intact
+    prepare("folder", str(src), out, shard_size=4, progress=True)
+    assert "up to date" in capsys.readouterr().err
+
+
 def test_csv_with_categories_and_splits(tmp_path: Path) -> None:
     rows = ["path,class,category,split"]
     for i in range(12):

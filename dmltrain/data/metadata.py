@@ -30,6 +30,9 @@ class ShardInfo(_Model):
     category_counts: list[tuple[int, int]] = Field(
         default_factory=list, description="(category id, images) pairs; -1 = no category label."
     )
+    size_bytes: int | None = Field(
+        default=None, description="Bytes of the tar file as written (None: prepared before sizes were kept)."
+    )
 
 
 class SkippedFile(_Model):

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -40,6 +41,8 @@ from dmltrain.data.metadata import (
 )
 from dmltrain.data.pools import process_pool
 from dmltrain.data.shards import ShardEntry, ShardRecord, write_shard
+
+log = logging.getLogger(__name__)
 
 PROGRESS_NAME = ".dmltrain-prepare.json"
 LOCK_NAME = ".dmltrain.lock"
@@ -89,13 +92,13 @@ def prepare_dataset(
         existing = out / METADATA_NAME
         if existing.is_file() and not force and reuse_if is not None:
             old = DatasetInfo.model_validate(json.loads(existing.read_text()))
-            if reuse_if(old):
+            if reuse_if(old) and _intact(out, old, progress):
                 return old
         source = scan()
         fingerprint = _fingerprint(source, source_format, shard_size, group_size, seed, resize)
         if existing.is_file() and not force:
             old = DatasetInfo.model_validate(json.loads(existing.read_text()))
-            if old.fingerprint == fingerprint:
+            if old.fingerprint == fingerprint and _intact(out, old, progress):
                 images = sum(s.num_samples for s in old.splits.values())
                 _say(progress, f"{out}: up to date ({images} images)")
                 return old
@@ -110,6 +113,28 @@ def prepare_dataset(
         _remove_stale(out, {s.name for split in info.splits.values() for s in split.shards})
         (out / PROGRESS_NAME).unlink(missing_ok=True)
         return info
+
+
+def _intact(out: Path, info: DatasetInfo, progress: bool) -> bool:
+    """Whether every shard ``dataset.json`` lists is there with the size it was written with. An identical
+    build is only "up to date" if its files are: a re-run is how a user repairs a copy that lost or cut a
+    shard, so a damaged build is rebuilt (and said so) instead of reported fine."""
+    damaged = []
+    for split in info.splits.values():
+        for shard in split.shards:
+            path = out / shard.name
+            if not path.is_file():
+                damaged.append(f"{shard.name} is missing")
+            elif shard.size_bytes is not None and path.stat().st_size != shard.size_bytes:
+                damaged.append(f"{shard.name} has {path.stat().st_size} bytes, {shard.size_bytes} written")
+    if damaged:
+        more = f" and {len(damaged) - 3} more" if len(damaged) > 3 else ""
+        message = f"{out}: rebuilding: {'; '.join(damaged[:3])}{more}"
+        if progress:
+            _say(progress, message)
+        else:
+            log.warning("%s", message)
+    return not damaged
 
 
 def _say(progress: bool, message: str) -> None:
@@ -266,6 +291,7 @@ def _write_one(
         record.category_counts[category] += 1
     record.num_samples = len(written)
     write_shard(os.path.join(out, name), written)
+    record.size_bytes = os.path.getsize(os.path.join(out, name))
     return record
 
 
@@ -297,6 +323,7 @@ def _load_progress(out: Path, fingerprint: str) -> dict[str, ShardRecord]:
             class_counts=Counter({int(k): v for k, v in r["class_counts"].items()}),
             category_counts=Counter({int(k): v for k, v in r["category_counts"].items()}),
             skipped=r["skipped"],
+            size_bytes=r.get("size_bytes"),
         )
         for name, r in state["shards"].items()
     }
@@ -310,6 +337,7 @@ def _save_progress(out: Path, fingerprint: str, done: dict[str, ShardRecord]) ->
             "class_counts": {str(k): v for k, v in r.class_counts.items()},
             "category_counts": {str(k): v for k, v in r.category_counts.items()},
             "skipped": r.skipped,
+            "size_bytes": r.size_bytes,
         }
     tmp = out / f"{PROGRESS_NAME}.tmp"
     tmp.write_text(json.dumps(state))
@@ -348,6 +376,7 @@ def _build_info(
                     num_samples=r.num_samples,
                     class_counts=sorted(r.class_counts.items()),
                     category_counts=sorted(r.category_counts.items()) if category_ids else [],
+                    size_bytes=r.size_bytes,
                 )
             )
         categories = {class_category[c] for c in counts} - {-1}

@@ -52,6 +52,7 @@ class ShardRecord:
     class_counts: Counter[int] = field(default_factory=Counter)
     category_counts: Counter[int] = field(default_factory=Counter)
     skipped: list[dict[str, str]] = field(default_factory=list)
+    size_bytes: int | None = None  # of the tar file as written
 
 
 @dataclass
