@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -15,13 +14,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from dmltrain.data.errors import decode_failure
 from dmltrain.data.transforms import Transform, decode
 from dmltrain.models import normalize_images
 
 __all__ = ["embed_batch", "embed_images", "image_tensor"]
-
-
-_IN_MEMORY_FILE = re.compile(r" <_io\.\w+ object at 0x[0-9a-fA-F]+>")
 
 
 def image_tensor(image: Any, what: str = "image") -> torch.Tensor:
@@ -36,10 +33,7 @@ def image_tensor(image: Any, what: str = "image") -> torch.Tensor:
         try:
             return decode(bytes(image))
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
-            reason = _IN_MEMORY_FILE.sub("", str(exc))  # PIL names the BytesIO object it was given
-            raise ValueError(
-                f"{what}: cannot decode the image bytes ({type(exc).__name__}: {reason})"
-            ) from exc
+            raise ValueError(f"{what}: cannot decode the image bytes ({decode_failure(exc)})") from exc
     a = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
     if a.dtype != np.uint8:
         raise ValueError(f"{what}: arrays must be uint8 (H, W, C), got dtype {a.dtype}")

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from dmltrain.data import ensure_glyphs, load_dataset_info, prepare
-from dmltrain.data.datasets.base import SourceDataset
+from dmltrain.data.datasets.base import SourceDataset, SourceLayoutError
 from dmltrain.data.datasets.glyphs import base_character, faithful_codepoints, font_files, scan_glyphs
 from dmltrain.data.prepare import prepare_dataset
 from dmltrain.data.shards import read_shard
@@ -305,6 +305,67 @@ def test_cli_prepare(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         check=True,
     )
     assert "inaturalist" in done.stdout
+
+
+def test_cli_prepare_refuses_sizes_that_would_ruin_the_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    for i in range(4):
+        write_image(tmp_path / "src" / f"c{i % 2}" / f"{i}.png", i, "PNG")
+    # --resize 0 used to write every image as 1 x 1 pixel, and exit 0
+    for option, value in (
+        ("--resize", "0"),
+        ("--shard-size", "0"),
+        ("--resize", "-5"),
+        ("--test-fraction", "1"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            cli_main(["prepare", "folder", str(tmp_path / "src"), str(tmp_path / "out"), option, value])
+        assert stopped.value.code == 2
+        assert f"argument {option}: must be" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "file").write_text("x")
+    assert cli_main(["prepare", "folder", str(tmp_path / "src"), str(tmp_path / "file"), "--quiet"]) == 2
+    assert capsys.readouterr().err.startswith("dmltrain prepare: error:")
+
+
+def test_folder_says_what_it_did_not_read(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Nothing left out unsaid: JPEG's other suffixes are images; hidden and archive folders, empty class
+    folders and files that are no images are named in notes (dataset.json and stderr)."""
+    src = tmp_path / "src"
+    for c in ("ant", "bee"):
+        for i in range(3):
+            write_image(src / c / f"{i}.jpg", i, "JPEG")
+    write_image(src / "cat" / "0.jfif", 7, "JPEG")
+    write_image(src / "cat" / "1.jpe", 8, "JPEG")
+    (src / "cat" / "labels.txt").write_text("not an image")
+    (src / "cat" / ".DS_Store").write_bytes(b"\0")
+    (src / "empty").mkdir()
+    write_image(src / ".ipynb_checkpoints" / "0.jpg", 9, "JPEG")
+    write_image(src / "__MACOSX" / "ant" / "._0.jpg", 10, "JPEG")
+    info = prepare("folder", str(src), tmp_path / "out", progress=True)
+    assert info.class_names == ["ant", "bee", "cat"] and info.splits["train"].num_samples == 8
+    notes = "\n".join(info.notes)
+    assert ".ipynb_checkpoints/ is a hidden or archive folder" in notes and "__MACOSX/ is a hidden" in notes
+    assert "1 class folder(s) hold no images and are not classes: empty" in notes
+    assert "1 file(s) without an image suffix" in notes and "cat/labels.txt" in notes
+    assert ".DS_Store" not in notes
+    err = capsys.readouterr().err
+    assert all(f"note: {note}" in err for note in info.notes)
+
+
+def test_a_build_where_no_image_could_be_read_is_an_error(tmp_path: Path) -> None:
+    """Not a 0-image dataset.json and exit 0: `prepare && train` must stop at prepare."""
+    for i in range(3):
+        path = tmp_path / "src" / f"c{i}" / "0.jpg"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"no jpeg")
+    unread = r"none of its 3 image file\(s\) could be read"
+    with pytest.raises(
+        SourceLayoutError, match=unread + r" \(first: c\d/0.jpg: UnidentifiedImageError: [^<]*\)$"
+    ):
+        prepare("folder", str(tmp_path / "src"), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "dataset.json").exists()
 
 
 def test_base_character_strips_accents_only() -> None:

@@ -3,10 +3,14 @@ samples), so the service ends a run on them instead of retrying (`dmltrain.servi
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dmltrain.data.shards import Sample
+
+
+_IN_MEMORY_FILE = re.compile(r" <_io\.\w+ object at 0x[0-9a-fA-F]+>")  # PIL names the BytesIO it read
 
 
 class SampleError(ValueError):
@@ -27,10 +31,16 @@ def unusable_sample(sample: Sample, exc: BaseException) -> SampleError:
     """The one error for a sample that cannot become a training image, whether decoding or the transform
     failed, on either decode path (the message names the sample and its shard)."""
     where = sample_name(sample.key, sample.url or str(sample.shard))
-    return SampleError(f"{where}: cannot decode/transform the image: {exc}")
+    return SampleError(f"{where}: cannot decode/transform the image: {_IN_MEMORY_FILE.sub('', str(exc))}")
 
 
 def first_line(exc: BaseException) -> str:
     """An error's first line for a log or message line, or its type where it has no message."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def decode_failure(exc: BaseException) -> str:
+    """Why image bytes could not be decoded, as ``Type: message``, without the address of the BytesIO
+    PIL was given (which made the same bad file read differently on every run)."""
+    return f"{type(exc).__name__}: {_IN_MEMORY_FILE.sub('', str(exc))}"

@@ -6,6 +6,8 @@ import io
 
 from PIL import Image
 
+from dmltrain.data.errors import decode_failure
+
 _EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 
 
@@ -31,7 +33,7 @@ def checked_image(data: bytes, resize: int | None = None) -> tuple[bytes, str]:
     except ImageError:
         raise
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...
-        raise ImageError(f"{type(exc).__name__}: {exc}") from exc
+        raise ImageError(decode_failure(exc)) from exc
 
 
 def _reencode(image: Image.Image, fmt: str | None, resize: int | None) -> tuple[bytes, str]:

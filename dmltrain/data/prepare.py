@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dmltrain.data.datasets import scan_source
-from dmltrain.data.datasets.base import SourceDataset, SourceItem, natural_key
+from dmltrain.data.datasets.base import SourceDataset, SourceItem, SourceLayoutError, natural_key
 from dmltrain.data.datasets.glyphs import glyphs_source_desc
 from dmltrain.data.images import ImageError, checked_image
 from dmltrain.data.metadata import (
@@ -106,6 +106,13 @@ def prepare_dataset(
         plans = _plan_shards(source, class_ids, category_ids, shard_size, group_size, seed)
         records = _write_all(out, plans, fingerprint, resize, workers, progress)
         info = _build_info(source, source_format, source_desc, fingerprint, class_ids, category_ids, records)
+        if not any(split.num_samples for split in info.splits.values()):
+            # An error, not a 0-image dataset.json: `prepare && train` must stop at the step that failed.
+            first = info.skipped[0] if info.skipped else None
+            raise SourceLayoutError(
+                f"{source_desc}: none of its {len(source.items)} image file(s) could be read"
+                + (f" (first: {first.path}: {first.reason})" if first else "")
+            )
         _report(info, progress)
         tmp = out / f"{METADATA_NAME}.tmp-{os.getpid()}"
         tmp.write_text(info.model_dump_json(indent=1))
@@ -422,8 +429,10 @@ def _report(info: DatasetInfo, progress: bool) -> None:
                 file=sys.stderr,
             )
         if split.empty_classes:
+            shown = ", ".join(info.class_names[c] for c in split.empty_classes[:10])
             print(
-                f"WARNING: {name}: {len(split.empty_classes)} class(es) lost every image to skipped files",
+                f"WARNING: {name}: {len(split.empty_classes)} class(es) lost every image to skipped files: "
+                f"{shown}" + (" ..." if len(split.empty_classes) > 10 else ""),
                 file=sys.stderr,
             )
     if info.skipped:
@@ -431,6 +440,8 @@ def _report(info: DatasetInfo, progress: bool) -> None:
             f"WARNING: skipped {len(info.skipped)} unreadable image(s); listed in dataset.json 'skipped'",
             file=sys.stderr,
         )
+    for note in info.notes:
+        print(f"note: {note}", file=sys.stderr)
 
 
 def _remove_stale(out: Path, keep: set[str]) -> None:

@@ -14,6 +14,20 @@ Register = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
 def _register_prepare(parser: argparse.ArgumentParser) -> None:
     from dmltrain.data.datasets import FORMATS
 
@@ -24,16 +38,24 @@ def _register_prepare(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("format", choices=FORMATS, help="source layout")
     parser.add_argument("source", help="source directory (CSV file for csv; '-' for glyphs)")
     parser.add_argument("out_dir", help="output directory for shards and dataset.json")
-    parser.add_argument("--shard-size", type=int, default=None, help="images per shard (default: ~64 shards)")
-    parser.add_argument("--group-size", type=int, default=32, help="max images of a class stored together")
-    parser.add_argument("--resize", type=int, default=None, help="re-encode with this shorter side (pixels)")
+    parser.add_argument(
+        "--shard-size", type=_positive_int, default=None, help="images per shard (default: ~64 shards)"
+    )
+    parser.add_argument(
+        "--group-size", type=_positive_int, default=32, help="max images of a class stored together"
+    )
+    parser.add_argument(
+        "--resize", type=_positive_int, default=None, help="re-encode with this shorter side (pixels)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for shard layout and class splits")
-    parser.add_argument("--workers", type=int, default=1, help="processes writing shards, rendering glyphs")
+    parser.add_argument(
+        "--workers", type=_positive_int, default=1, help="processes writing shards, rendering glyphs"
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
         "--test-fraction",
-        type=float,
+        type=_fraction,
         default=None,
         help="folder/csv/glyphs: share of classes held out for test",
     )
@@ -79,7 +101,7 @@ def _run_prepare(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             **options,
         )
-    except (SourceLayoutError, ValueError, FileNotFoundError) as exc:
+    except (SourceLayoutError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as exc:
         print(f"dmltrain prepare: error: {exc}", file=sys.stderr)
         return 2
     total = sum(s.num_samples for s in info.splits.values())

@@ -12,7 +12,9 @@ from pathlib import Path
 from dmltrain.data.datasets.base import SourceDataset, SourceItem, SourceLayoutError, split_classes
 from dmltrain.data.metadata import Evaluation
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+# Folders an archive tool or notebook leaves beside the classes: never classes.
+NOT_CLASSES = ("__MACOSX",)
 SPLIT_NAMES = ("train", "test", "val", "query", "gallery")
 
 
@@ -28,11 +30,15 @@ def scan_folder(source: Path, test_fraction: float = 0.0, seed: int = 0) -> Sour
     others = [p for p in subdirs if p.name not in SPLIT_NAMES]
     notes = []
     if split_dirs and not any(_has_images(p) for p in others):
-        items = [it for d in split_dirs for it in _class_items(d, d.name, source)]
+        items = []
+        for d in split_dirs:
+            found, found_notes = _class_items(d, d.name, source)
+            items += found
+            notes += found_notes
         splits = [s for s in SPLIT_NAMES if any(d.name == s for d in split_dirs)]
-        notes = [f"folder: {p.name}/ holds no images and is not a split: ignored" for p in others]
+        notes += [f"folder: {p.name}/ holds no images and is not a split: ignored" for p in others]
     else:
-        items = _class_items(source, "train", source)
+        items, notes = _class_items(source, "train", source)
         held_out = split_classes([it.class_name for it in items], test_fraction, seed)
         for it in items:
             if it.class_name in held_out:
@@ -60,11 +66,40 @@ def _has_images(directory: Path) -> bool:
     return any(p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES for p in directory.rglob("*"))
 
 
-def _class_items(directory: Path, split: str, root: Path) -> list[SourceItem]:
+def _class_items(directory: Path, split: str, root: Path) -> tuple[list[SourceItem], list[str]]:
+    """The images of every class folder, and notes on what was not read: hidden and archive folders,
+    files whose suffix is not an image's, class folders without images (nothing left out unsaid)."""
     items = []
+    ignored_dirs, empty, others = [], [], []
     for class_dir in sorted(p for p in directory.iterdir() if p.is_dir()):
+        rel_dir = class_dir.relative_to(root).as_posix()
+        if class_dir.name.startswith(".") or class_dir.name in NOT_CLASSES:
+            ignored_dirs.append(rel_dir)
+            continue
+        found = 0
         for path in sorted(class_dir.rglob("*")):
-            if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
-                rel = path.relative_to(root).as_posix()
+            if not path.is_file():
+                continue
+            rel = path.relative_to(root).as_posix()
+            if path.suffix.lower() in IMAGE_SUFFIXES:
                 items.append(SourceItem(split=split, class_name=class_dir.name, path=rel, file=path))
-    return items
+                found += 1
+            elif not path.name.startswith("."):  # .DS_Store and the like are no one's images
+                others.append(rel)
+        if not found:
+            empty.append(rel_dir)
+    notes = [f"folder: {d}/ is a hidden or archive folder, not a class: ignored" for d in ignored_dirs]
+    if empty:
+        notes.append(
+            f"folder: {len(empty)} class folder(s) hold no images and are not classes: {_some(empty)}"
+        )
+    if others:
+        notes.append(
+            f"folder: {len(others)} file(s) without an image suffix ({', '.join(sorted(IMAGE_SUFFIXES))}) "
+            f"were not read: {_some(others)}"
+        )
+    return items, notes
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
