@@ -83,6 +83,35 @@ def test_data_errors_name_the_root_in_one_line(glyphs_root: Path, tmp_path: Path
     assert "smaller --shard-size" in _one_line_error(check_data, crowded, info)
 
 
+def test_missing_or_cut_shards_are_found_before_any_worker(glyphs_root: Path, tmp_path: Path) -> None:
+    """Were found by a worker after Ray started and the step-0 evaluation ran (45 s here, retried)."""
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(glyphs_root, root)
+    base = [f"data.root={root}", "data.prepare=null"]
+    info = load_data(_config(*base))
+    check_data(_config(*base), info)
+    train, test = info.split("train").shards, info.split("test").shards
+    (root / test[0].name).unlink()
+    message = _one_line_error(check_data, _config(*base), info)
+    assert message.startswith(f"data.root={root}: shard {test[0].name} is missing (dataset.json lists them")
+    shutil.copy(glyphs_root / test[0].name, root / test[0].name)
+    cut = root / train[1].name
+    cut.write_bytes(cut.read_bytes()[:4096])
+    if train[1].size_bytes is not None:  # sizes are recorded by builds since 2026-11-27
+        assert f"shard {train[1].name} has 4096 bytes" in _one_line_error(check_data, _config(*base), info)
+    cut.unlink()
+    assert f"shard {train[1].name} is missing" in _one_line_error(check_data, _config(*base), info)
+
+
+def test_recall_cut_offs_are_checked_with_the_config() -> None:
+    """eval.ks=[0] used to pass, then fail every evaluation in the workers (retried, a traceback)."""
+    for bad in ("[0]", "[]", "[1,-2]"):
+        with pytest.raises(ConfigError, match=r"eval\.ks"):
+            _config(f"eval.ks={bad}")
+
+
 @pytest.mark.parametrize(
     ("config", "overrides", "expected"),
     [

@@ -14,7 +14,7 @@ Public entry points (import from here):
 
 from dmltrain.data.embedded import ensure_glyphs
 from dmltrain.data.loader import EvalLoader, TrainLoader
-from dmltrain.data.metadata import DatasetInfo, Evaluation, load_dataset_info
+from dmltrain.data.metadata import DatasetInfo, Evaluation, damaged_shards, load_dataset_info
 from dmltrain.data.plan import BatchError, check_batch
 from dmltrain.data.prepare import prepare
 from dmltrain.data.sampling import SamplerSpec
@@ -29,6 +29,7 @@ __all__ = [
     "TrainAugment",
     "TrainLoader",
     "check_batch",
+    "damaged_shards",
     "decode",
     "ensure_glyphs",
     "load_dataset_info",

@@ -114,3 +114,20 @@ def load_dataset_info(root: str | Path) -> DatasetInfo:
     if info.format_version != FORMAT_VERSION:
         raise ValueError(f"{url}: format_version {info.format_version}, this dmltrain reads {FORMAT_VERSION}")
     return info
+
+
+def damaged_shards(info: DatasetInfo, root: str | Path, splits: list[str] | None = None) -> list[str]:
+    """What is wrong with the shards ``info`` lists under the local directory ``root`` (all splits, or
+    ``splits``): each one missing or not at the size it was written with, one phrase each."""
+    base = Path(root)
+    names = list(info.splits) if splits is None else [s for s in dict.fromkeys(splits) if s in info.splits]
+    damaged = []
+    for name in names:
+        for shard in info.splits[name].shards:
+            path = base / shard.name
+            if not path.is_file():
+                damaged.append(f"shard {shard.name} is missing")
+            elif shard.size_bytes is not None and path.stat().st_size != shard.size_bytes:
+                size = path.stat().st_size
+                damaged.append(f"shard {shard.name} has {size} bytes, {shard.size_bytes} written")
+    return damaged

@@ -38,6 +38,7 @@ from dmltrain.data.metadata import (
     ShardInfo,
     SkippedFile,
     SplitInfo,
+    damaged_shards,
 )
 from dmltrain.data.pools import process_pool
 from dmltrain.data.shards import ShardEntry, ShardRecord, write_shard
@@ -126,14 +127,7 @@ def _intact(out: Path, info: DatasetInfo, progress: bool) -> bool:
     """Whether every shard ``dataset.json`` lists is there with the size it was written with. An identical
     build is only "up to date" if its files are: a re-run is how a user repairs a copy that lost or cut a
     shard, so a damaged build is rebuilt (and said so) instead of reported fine."""
-    damaged = []
-    for split in info.splits.values():
-        for shard in split.shards:
-            path = out / shard.name
-            if not path.is_file():
-                damaged.append(f"{shard.name} is missing")
-            elif shard.size_bytes is not None and path.stat().st_size != shard.size_bytes:
-                damaged.append(f"{shard.name} has {path.stat().st_size} bytes, {shard.size_bytes} written")
+    damaged = damaged_shards(info, out)
     if damaged:
         more = f" and {len(damaged) - 3} more" if len(damaged) > 3 else ""
         message = f"{out}: rebuilding: {'; '.join(damaged[:3])}{more}"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -282,7 +282,7 @@ class TrainConfig(_Section):
 
 
 class EvalConfig(_Section):
-    ks: tuple[int, ...] = (1, 2, 4, 8)
+    ks: tuple[int, ...] = Field(default=(1, 2, 4, 8), description="Recall@K cut-offs.")
     batch_size: int = Field(default=128, ge=1)
     max_images: int | None = Field(
         default=None,
@@ -309,6 +309,13 @@ class EvalConfig(_Section):
         ge=1,
         description="Queries sampled to measure an approximate index against exact search.",
     )
+
+    @field_validator("ks")
+    @classmethod
+    def _positive_ks(cls, ks: tuple[int, ...]) -> tuple[int, ...]:
+        if not ks or min(ks) < 1:
+            raise ValueError("Recall@K cut-offs must be one or more positive integers")
+        return ks
 
 
 class ScalingConfigSection(_Section):

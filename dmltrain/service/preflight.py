@@ -14,8 +14,17 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from dmltrain.data import BatchError, DatasetInfo, SamplerSpec, check_batch, ensure_glyphs, load_dataset_info
+from dmltrain.data import (
+    BatchError,
+    DatasetInfo,
+    SamplerSpec,
+    check_batch,
+    damaged_shards,
+    ensure_glyphs,
+    load_dataset_info,
+)
 from dmltrain.data.metadata import METADATA_NAME
+from dmltrain.data.urls import is_local, local_path
 from dmltrain.models import MissingExtraError
 from dmltrain.service.best import resolve_best_metric
 from dmltrain.service.builders import check_network
@@ -63,6 +72,18 @@ def check_data(config: ExperimentConfig, info: DatasetInfo) -> None:
         )
     if not info.evaluations:
         raise ConfigError(f"data.root={config.data.root}: dataset.json lists no evaluations to run")
+    # Found here in a second, not by a worker after Ray started and the first evaluation ran; a remote
+    # root (s3://, https://) is left to the loaders, which name the shard they cannot read.
+    root = config.data.root
+    damaged = (
+        damaged_shards(info, local_path(root), [split, *evaluated_splits(info)]) if is_local(root) else []
+    )
+    if damaged:
+        more = f" and {len(damaged) - 3} more" if len(damaged) > 3 else ""
+        raise ConfigError(
+            f"data.root={config.data.root}: {'; '.join(damaged[:3])}{more} (dataset.json lists them; "
+            f"prepare the data again, or copy the shards whole)"
+        )
     try:
         resolve_best_metric(config.train.best_metric, [e.name for e in info.evaluations], config.eval.ks)
     except ValueError as error:
@@ -85,6 +106,10 @@ def check_data(config: ExperimentConfig, info: DatasetInfo) -> None:
         raise ConfigError(
             f"sampler.name={config.sampler.name} on {config.data.root}: {_one_line(error)}"
         ) from None
+
+
+def evaluated_splits(info: DatasetInfo) -> list[str]:
+    return sorted({e.query for e in info.evaluations} | {e.gallery for e in info.evaluations if e.gallery})
 
 
 def _one_line(error: BaseException) -> str:
