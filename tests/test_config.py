@@ -144,6 +144,27 @@ def test_missing_file_and_required_keys(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_a_key_given_twice_and_broken_yaml_name_the_file_and_lines(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two equal keys without a word (a file saying steps: 20, then steps: 30
+    trained 30 steps); its syntax errors named "<unicode string>" instead of the file."""
+    twice = tmp_path / "twice.yaml"
+    quickstart = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
+    twice.write_text(quickstart.read_text() + "\ntrain:\n  steps: 5\n")
+    with pytest.raises(
+        ConfigError, match=rf"config file {twice} is not valid YAML: key 'train' appears twice"
+    ):
+        load_config(twice)
+    inner = tmp_path / "inner.yaml"
+    inner.write_text("train:\n  steps: 20\n  log_every: 5\n  steps: 30\n")
+    with pytest.raises(ConfigError, match=r"key 'steps' appears twice \(lines 2 and 4\)"):
+        load_config(inner)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train: [\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(broken)
+    assert f'in "{broken}", line 2' in str(error.value) and "<unicode string>" not in str(error.value)
+
+
 def test_yaml_round_trip_and_flatten(tmp_path: Path) -> None:
     config = load_config(CONFIGS[0].parent / "quickstart.yaml")
     copy = tmp_path / "resolved.yaml"

@@ -524,17 +524,44 @@ def config_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
         raise ConfigError(_describe_errors(error, source)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error: PyYAML keeps the last
+    silently, so `steps: 20` ... `steps: 30` in one section trained 30 steps without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} appears twice (lines {seen[key]} and {line})",
+                    key_node.start_mark,
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
+    """A YAML file holding a mapping (config or sweep file); every problem is a ConfigError naming it."""
+    if not path.is_file():
+        raise ConfigError(f"{what} not found: {path}")
+    try:
+        with open(path) as handle:  # a stream, so YAML's messages name the file, not "<unicode string>"
+            raw = yaml.load(handle, Loader=_UniqueKeyLoader) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{what} {path} is not valid YAML: {' '.join(str(error).split())}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} {path} must hold a mapping at the top level")
+    return raw
+
+
 def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> ExperimentConfig:
     """Read a YAML experiment file, apply ``key.sub=value`` overrides and validate the result."""
     file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"config file not found: {file}")
-    try:
-        raw = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ConfigError(f"config file {file} is not valid YAML: {error}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {file} must hold a mapping at the top level")
+    raw = read_yaml_mapping(file, "config file")
     source = f"{file}" + (f" with overrides {list(overrides)}" if overrides else "")
     return config_from_dict(apply_overrides(raw, overrides), source)
 

@@ -33,7 +33,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dmltrain.service.config import ConfigError, ExperimentConfig, apply_overrides, config_from_dict
+from dmltrain.service.config import (
+    ConfigError,
+    ExperimentConfig,
+    apply_overrides,
+    config_from_dict,
+    read_yaml_mapping,
+)
 
 
 class _Strict(BaseModel):
@@ -97,18 +103,6 @@ class Sweep:
     trials: tuple[Trial, ...]
 
 
-def _read_yaml(path: Path, what: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"{what} not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{what} {path} is not valid YAML: {error}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{what} {path} must hold a mapping at the top level")
-    return raw
-
-
 def _as_override(key: str, value: Any) -> str:
     """``key=value`` in the form `apply_overrides` parses (the value as YAML, so types survive)."""
     return f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
@@ -162,7 +156,7 @@ def load_sweep(
     """Read and validate a sweep file; ``extra_overrides`` (``key=value``) apply to every trial after the
     file's own, and ``name`` replaces the sweep's name (a different name is a different sweep)."""
     source = Path(path).resolve()
-    raw = _read_yaml(source, "sweep file")
+    raw = read_yaml_mapping(source, "sweep file")
     try:
         spec = SweepSpec.model_validate(raw)
     except ValidationError as error:
@@ -175,7 +169,7 @@ def load_sweep(
     if name:
         spec = spec.model_copy(update={"name": name})
     base_path = (source.parent / spec.base).resolve()
-    base_raw = _read_yaml(base_path, f"sweep file {source}: base config")
+    base_raw = read_yaml_mapping(base_path, f"sweep file {source}: base config")
     trials = []
     for label, overrides in expand(spec):
         data = trial_config(base_raw, overrides, extra_overrides)
