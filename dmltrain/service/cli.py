@@ -117,7 +117,7 @@ def _register_train(parser: argparse.ArgumentParser) -> None:
         "Same as `python -m dmltrain.run`: train on Ray, track in MLflow, resume on relaunch."
     )
     parser.add_argument("config", help="experiment YAML, e.g. configs/quickstart.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.steps=100")
+    parser.add_argument("overrides", nargs="*", default=[], help="dotted overrides such as train.steps=100")
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -134,7 +134,10 @@ def _register_sweep(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("sweep", help="sweep YAML, e.g. configs/sweeps/losses.yaml")
     parser.add_argument(
-        "overrides", nargs="*", help="dotted overrides applied to every trial, e.g. train.steps=20"
+        "overrides",
+        nargs="*",
+        default=[],
+        help="dotted overrides applied to every trial, e.g. train.steps=20",
     )
     parser.add_argument(
         "--name", default=None, help="sweep name (default: the file's); a new name means new runs"

@@ -20,7 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train an embedding network with a ranking loss on Ray Train, tracked in MLflow.",
     )
     parser.add_argument("config", help="experiment YAML, e.g. configs/quickstart.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.steps=100 optim.lr=1e-4")
+    parser.add_argument(
+        "overrides", nargs="*", default=[], help="dotted overrides such as train.steps=100 optim.lr=1e-4"
+    )
     return parser
 
 

@@ -123,7 +123,11 @@ def plan_launch(
         return LaunchPlan("new")
     where = (
         f"MLflow run {existing.run_id} ({existing.status}, "
-        f"last checkpoint at step {existing.checkpoint_step})"
+        + (
+            f"last checkpoint at step {existing.checkpoint_step})"
+            if existing.checkpoint_step is not None
+            else "no checkpoint yet)"
+        )
         if existing is not None
         else f"{checkpoints} Ray checkpoint(s) but no MLflow run in {tracking_uri}"
     )
