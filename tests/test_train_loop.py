@@ -18,6 +18,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from dmltrain.data.errors import SampleError
 from dmltrain.service.best import is_scored, worst_score
 from dmltrain.service.checkpoints import checkpoint_dir_name
 from dmltrain.service.config import ExperimentConfig, flatten, load_config, to_yaml
@@ -168,6 +169,27 @@ def test_nan_steps_are_skipped_then_fail_clearly(glyphs_root: Path, tmp_path: Pa
         torch.testing.assert_close(loop.net.state_dict()[key], value, msg=key, equal_nan=True)
     skipped = MlflowClient(uri).get_metric_history(run_id, "train/skipped_steps")
     assert [m.value for m in skipped] == [1.0, 2.0]
+
+
+def test_an_error_names_the_evaluation_it_came_from(glyphs_root: Path, tmp_path: Path) -> None:
+    """A bad test image failed as "step 1" when the step-0 evaluation read it, before any step ran."""
+    import shutil
+
+    from dmltrain.data import load_dataset_info
+    from dmltrain.data.shards import ShardEntry, read_shard, write_shard
+
+    root = tmp_path / "data"
+    shutil.copytree(glyphs_root, root)
+    url = load_dataset_info(root).shard_urls(root, "test")[0]
+    write_shard(
+        url, [ShardEntry(s.key, b"\x89PNG broken", "png", s.cls, s.category, {}) for s in read_shard(url)]
+    )
+    config, run_id, uri = _setup(tmp_path, root, "train.steps=2", "train.eval_at_start=true")
+    loop = WorkerLoop(config, run_id, uri, LocalContext(tmp_path))
+    assert loop.where() == "step 1"
+    with pytest.raises(SampleError):
+        loop.run()
+    assert loop.where() == "evaluation at step 0"
 
 
 def test_fp16_loop_scales_gradients_and_checkpoints_the_scaler(glyphs_root: Path, tmp_path: Path) -> None:

@@ -313,6 +313,7 @@ class WorkerLoop:
             else None
         )
         self.step = 0
+        self.evaluating = False  # set while an evaluation runs (errors name it, not the next step)
         self.times = _PhaseTimes()
         first = config.train.profile_start
         self.profiler = (
@@ -450,7 +451,8 @@ class WorkerLoop:
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self) -> dict[str, float]:
-        return evaluate(
+        self.evaluating = True
+        metrics = evaluate(
             self.net,
             self.config,
             self.info,
@@ -463,6 +465,12 @@ class WorkerLoop:
             self.preprocessing,
             self.eval_images,
         )
+        self.evaluating = False
+        return metrics
+
+    def where(self) -> str:
+        """What the loop was doing, for an error's one line: the evaluation after step N, or step N+1."""
+        return f"evaluation at step {self.step}" if self.evaluating else f"step {self.step + 1}"
 
     # ------------------------------------------------------------------ training
     def _stream_state(self) -> dict[str, Any]:
@@ -767,4 +775,4 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     try:
         loop.run()
     except (*FATAL_IN_LOOP, NonFiniteLossError) as exc:
-        raise as_fatal(exc, ray_ctx.rank, f"step {loop.step + 1}") from exc
+        raise as_fatal(exc, ray_ctx.rank, loop.where()) from exc
