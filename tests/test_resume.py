@@ -115,16 +115,17 @@ def test_data_prepared_again_differently_is_a_change(tmp_path: Path) -> None:
     no config key changes, but the run would train on former test classes and mix two test sets. The
     fingerprint in dataset.json tells; the run's MLflow record keeps the one it trained on."""
     old = _config()
-    recorded = ExistingRun("abc123", "KILLED", 200, 1, old.model_dump(mode="json"), data_fingerprint="aaa")
-    assert plan_launch(old, recorded, 2, URI, "aaa").action == "resume"
+    was, now = "a1" * 32, "b2" * 32  # sha256 hex digests
+    recorded = ExistingRun("abc123", "KILLED", 200, 1, old.model_dump(mode="json"), data_fingerprint=was)
+    assert plan_launch(old, recorded, 2, URI, was).action == "resume"
     with pytest.raises(ConfigError) as refused:
-        plan_launch(old, recorded, 2, URI, "bbb")
+        plan_launch(old, recorded, 2, URI, now)
     message = str(refused.value)
-    assert f"changes {DATA_CHANGE}: aaa -> bbb" in message and "\n" not in message
-    plan = plan_launch(_config("run.resume=must"), recorded, 2, URI, "bbb")
-    assert plan.action == "resume" and plan.changed[DATA_CHANGE] == ("aaa", "bbb")
-    # A run recorded before fingerprints were kept, or a launch that does not know its data: no verdict.
-    assert plan_launch(old, _existing(old, status="KILLED", step=200), 2, URI, "bbb").action == "resume"
+    assert f"changes {DATA_CHANGE}: {was[:12]} -> {now[:12]}" in message and "\n" not in message
+    plan = plan_launch(_config("run.resume=must"), recorded, 2, URI, now)
+    assert plan.action == "resume" and plan.changed[DATA_CHANGE] == (was[:12], now[:12])
+    # was run recorded before fingerprints were kept, or a launch that does not know its data: no verdict.
+    assert plan_launch(old, _existing(old, status="KILLED", step=200), 2, URI, now).action == "resume"
     assert plan_launch(old, recorded, 2, URI, None).action == "resume"
 
     # The record itself: each launch's segment sets the run's tag, which find_run reads back.

@@ -156,7 +156,7 @@ def plan_launch(
         changed = {"<stored config>": ("unreadable", None)}
     known = existing.data_fingerprint
     if known and data_fingerprint and known != data_fingerprint:
-        changed[DATA_CHANGE] = (known, data_fingerprint)
+        changed[DATA_CHANGE] = (known[:12], data_fingerprint[:12])  # sha256 hex: 12 digits tell them apart
     blocking = {k: v for k, v in changed.items() if k not in RESUMABLE_KEYS}
     if blocking and mode == "auto":
         raise ConfigError(
