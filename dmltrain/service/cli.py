@@ -33,7 +33,8 @@ def _register_prepare(parser: argparse.ArgumentParser) -> None:
 
     parser.description = (
         "Convert a data set in its published layout into WebDataset shards plus dataset.json. "
-        "Re-running is safe: an identical build is left alone, an interrupted one resumes."
+        "Re-running is safe: an identical build with all its shards intact is left alone, a damaged one "
+        "is rebuilt, an interrupted one resumes."
     )
     parser.add_argument("format", choices=FORMATS, help="source layout")
     parser.add_argument("source", help="source directory (CSV file for csv; '-' for glyphs)")
