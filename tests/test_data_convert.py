@@ -108,7 +108,7 @@ def test_a_re_run_repairs_a_build_that_lost_or_cut_a_shard(
     capsys.readouterr()
     prepare("folder", str(src), out, shard_size=4, progress=True)
     err = capsys.readouterr().err
-    assert f"rebuilding: {shards[0].name} is missing; {shards[1].name} has 1000 bytes" in err, err
+    assert f"rebuilding: shard {shards[0].name} is missing; shard {shards[1].name} has 1000 bytes" in err, err
     assert "up to date" not in err
     assert {p.name: p.read_bytes() for p in shards} == intact
     prepare("folder", str(src), out, shard_size=4, progress=True)
