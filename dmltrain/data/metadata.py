@@ -94,6 +94,11 @@ class DatasetInfo(_Model):
             raise KeyError(f"dataset {self.name!r} has no split {name!r}; splits: {sorted(self.splits)}")
         return self.splits[name]
 
+    @property
+    def evaluated_splits(self) -> list[str]:
+        """Every split an evaluation reads (queries and galleries), sorted."""
+        return sorted({s for e in self.evaluations for s in (e.query, e.gallery) if s is not None})
+
     def shard_urls(self, root: str | Path, split: str) -> list[str]:
         return [join_url(str(root), s.name) for s in self.split(split).shards]
 
@@ -116,9 +121,10 @@ def load_dataset_info(root: str | Path) -> DatasetInfo:
     return info
 
 
-def damaged_shards(info: DatasetInfo, root: str | Path, splits: list[str] | None = None) -> list[str]:
+def damaged_shards(info: DatasetInfo, root: str | Path, splits: list[str] | None = None) -> str | None:
     """What is wrong with the shards ``info`` lists under the local directory ``root`` (all splits, or
-    ``splits``): each one missing or not at the size it was written with, one phrase each."""
+    ``splits``), as one phrase (each shard missing or not at the size it was written with; the first three,
+    then a count), or None when every shard is intact."""
     base = Path(root)
     names = list(info.splits) if splits is None else [s for s in dict.fromkeys(splits) if s in info.splits]
     damaged = []
@@ -127,7 +133,8 @@ def damaged_shards(info: DatasetInfo, root: str | Path, splits: list[str] | None
             path = base / shard.name
             if not path.is_file():
                 damaged.append(f"shard {shard.name} is missing")
-            elif shard.size_bytes is not None and path.stat().st_size != shard.size_bytes:
-                size = path.stat().st_size
+            elif shard.size_bytes is not None and (size := path.stat().st_size) != shard.size_bytes:
                 damaged.append(f"shard {shard.name} has {size} bytes, {shard.size_bytes} written")
-    return damaged
+    if not damaged:
+        return None
+    return "; ".join(damaged[:3]) + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")

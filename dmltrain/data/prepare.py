@@ -129,13 +129,12 @@ def _intact(out: Path, info: DatasetInfo, progress: bool) -> bool:
     shard, so a damaged build is rebuilt (and said so) instead of reported fine."""
     damaged = damaged_shards(info, out)
     if damaged:
-        more = f" and {len(damaged) - 3} more" if len(damaged) > 3 else ""
-        message = f"{out}: rebuilding: {'; '.join(damaged[:3])}{more}"
+        message = f"{out}: rebuilding: {damaged}"
         if progress:
             _say(progress, message)
         else:
             log.warning("%s", message)
-    return not damaged
+    return damaged is None
 
 
 def _say(progress: bool, message: str) -> None:

@@ -236,12 +236,11 @@ def evaluate(
     from dmltrain.plots import recall_at_k_curve
 
     want_grid = config.eval.grid_queries > 0
-    splits = {s for ev in info.evaluations for s in (ev.query, ev.gallery) if s is not None}
     embedded = {
         split: embed_split(
             net, config, info, split, device, rank, world, want_grid, autocast_dtype, preprocessing, cache
         )
-        for split in sorted(splits)
+        for split in info.evaluated_splits
     }
     metrics: dict[str, float] = {}
     curves: dict[str, dict[str, float]] = {}

@@ -76,13 +76,12 @@ def check_data(config: ExperimentConfig, info: DatasetInfo) -> None:
     # root (s3://, https://) is left to the loaders, which name the shard they cannot read.
     root = config.data.root
     damaged = (
-        damaged_shards(info, local_path(root), [split, *evaluated_splits(info)]) if is_local(root) else []
+        damaged_shards(info, local_path(root), [split, *info.evaluated_splits]) if is_local(root) else None
     )
     if damaged:
-        more = f" and {len(damaged) - 3} more" if len(damaged) > 3 else ""
         raise ConfigError(
-            f"data.root={config.data.root}: {'; '.join(damaged[:3])}{more} (dataset.json lists them; "
-            f"prepare the data again, or copy the shards whole)"
+            f"data.root={root}: {damaged} (dataset.json lists them; prepare the data again, or copy the "
+            f"shards whole)"
         )
     try:
         resolve_best_metric(config.train.best_metric, [e.name for e in info.evaluations], config.eval.ks)
@@ -106,10 +105,6 @@ def check_data(config: ExperimentConfig, info: DatasetInfo) -> None:
         raise ConfigError(
             f"sampler.name={config.sampler.name} on {config.data.root}: {_one_line(error)}"
         ) from None
-
-
-def evaluated_splits(info: DatasetInfo) -> list[str]:
-    return sorted({e.query for e in info.evaluations} | {e.gallery for e in info.evaluations if e.gallery})
 
 
 def _one_line(error: BaseException) -> str:
