@@ -354,6 +354,32 @@ def test_folder_says_what_it_did_not_read(tmp_path: Path, capsys: pytest.Capture
     assert all(f"note: {note}" in err for note in info.notes)
 
 
+def test_a_test_fraction_the_layout_cannot_use_is_refused(tmp_path: Path) -> None:
+    """A layout with its own splits (split folders, a csv split column) ignored --test-fraction silently:
+    the user believed classes were held out as asked."""
+    for split, cls in (("train", "ant"), ("train", "bee"), ("test", "cat")):
+        for i in range(2):
+            write_image(tmp_path / "src" / split / cls / f"{i}.jpg", i)
+    with pytest.raises(
+        SourceLayoutError, match=r"has split folders \(test/, train/\).*test fraction \(0.2\)"
+    ):
+        prepare("folder", str(tmp_path / "src"), tmp_path / "out", test_fraction=0.2, progress=False)
+    info = prepare("folder", str(tmp_path / "src"), tmp_path / "out", progress=False)
+    assert info.splits["test"].num_classes == 1
+    (tmp_path / "list.csv").write_text(
+        "path,class,split\ntrain/ant/0.jpg,ant,train\ntest/cat/0.jpg,cat,test\n"
+    )
+    with pytest.raises(SourceLayoutError, match=r"has a split column.*test fraction \(0.5\)"):
+        prepare(
+            "csv",
+            str(tmp_path / "list.csv"),
+            tmp_path / "out2",
+            image_root=tmp_path / "src",
+            test_fraction=0.5,
+            progress=False,
+        )
+
+
 def test_a_build_where_no_image_could_be_read_is_an_error(tmp_path: Path) -> None:
     """Not a 0-image dataset.json and exit 0: `prepare && train` must stop at prepare."""
     for i in range(3):

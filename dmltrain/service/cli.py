@@ -58,7 +58,7 @@ def _register_prepare(parser: argparse.ArgumentParser) -> None:
         "--test-fraction",
         type=_fraction,
         default=None,
-        help="folder/csv/glyphs: share of classes held out for test",
+        help="folder/csv/glyphs: share of classes held out for test (a layout without its own splits)",
     )
     parser.add_argument("--image-root", default=None, help="csv: folder the paths are relative to")
     parser.add_argument(

@@ -36,6 +36,11 @@ def scan_csv(
             items.append(SourceItem(split, cls, path, file=root / path, category=category))
     if not items:
         raise SourceLayoutError(f"csv: {source} has no rows")
+    if "split" in fields and test_fraction > 0:
+        raise SourceLayoutError(
+            f"csv: {source} has a split column, which gives the splits; a test fraction ({test_fraction}) "
+            "applies only to a list without one"
+        )
     if "split" not in fields:
         held_out = split_classes([it.class_name for it in items], test_fraction, seed)
         for it in items:

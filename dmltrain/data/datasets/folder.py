@@ -30,6 +30,11 @@ def scan_folder(source: Path, test_fraction: float = 0.0, seed: int = 0) -> Sour
     others = [p for p in subdirs if p.name not in SPLIT_NAMES]
     notes = []
     if split_dirs and not any(_has_images(p) for p in others):
+        if test_fraction > 0:
+            raise SourceLayoutError(
+                f"folder: {source} has split folders ({', '.join(d.name + '/' for d in split_dirs)}), which "
+                f"are its splits; a test fraction ({test_fraction}) applies only to a folder of class folders"
+            )
         items = []
         for d in split_dirs:
             found, found_notes = _class_items(d, d.name, source)
