@@ -302,6 +302,16 @@ def test_search_an_index_logged_to_a_run(
         err = capsys.readouterr().err
         assert err.startswith(f"dmltrain search: error: {wrong}: not found in the MLflow store"), err
         assert len(err.strip().splitlines()) == 1, err
+    # From a folder without the store (the default sqlite:///<cwd>/mlflow.db): MLflow created an empty
+    # mlflow.db there and reported the run as unknown.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert cli(["search", logged, str(query)]) == 2
+    err = capsys.readouterr().err
+    assert f"{logged}: no MLflow store at {elsewhere / 'mlflow.db'} (run from the folder" in err, err
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_a_file_that_is_not_a_model_is_one_line(

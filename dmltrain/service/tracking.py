@@ -56,6 +56,14 @@ def resolve_tracking_uri(configured: str | None) -> str:
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
+def sqlite_store_path(uri: str) -> Path | None:
+    """The file of a ``sqlite:///`` tracking URI (None for other stores), to tell a missing store from an
+    empty one: MLflow creates the file on first contact."""
+    prefix = "sqlite:///"  # then a relative path, or an absolute one with its own slash (SQLAlchemy)
+    path = uri[len(prefix) :].split("?", 1)[0] if uri.startswith(prefix) else ""
+    return Path(path) if path and path != ":memory:" else None
+
+
 def run_key(storage_path: str, name: str) -> str:
     """Identity of a run across relaunches: where Ray keeps its checkpoints."""
     return f"{storage_path.rstrip('/')}/{name}"

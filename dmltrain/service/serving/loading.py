@@ -99,9 +99,16 @@ def _download(ref: str, tracking_uri: str | None, directory: str) -> Path:
     from mlflow.exceptions import MlflowException
 
     from dmltrain.service.serving.uris import tracking_uri as tracking_uri_block
-    from dmltrain.service.tracking import resolve_tracking_uri
+    from dmltrain.service.tracking import resolve_tracking_uri, sqlite_store_path
 
     uri = resolve_tracking_uri(tracking_uri)
+    store = sqlite_store_path(uri)
+    if store is not None and not store.is_file():
+        # MLflow would create an empty store there and then report the run as unknown.
+        raise FileNotFoundError(
+            f"{ref}: no MLflow store at {store} (run from the folder that holds it, or give --tracking-uri "
+            "or $MLFLOW_TRACKING_URI)"
+        )
     try:
         # The logged-model lookup behind runs:/ reads the process-wide URI, not the argument.
         with tracking_uri_block(uri):
