@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections, failed = [], False
     for study in studies:
         outcome, note = run_study(study, extra, args.quick)
-        failed |= bool(outcome.failed)
+        failed |= bool(outcome.failed or outcome.unfinished)
         text = (
             f"## {study}: `dmltrain sweep {sweep_file(study).relative_to(REPO)}`\n\n"
             f"{TABLES[study](outcome)}\n\n{note}; MLflow parent run {outcome.parent_run_id}\n"
@@ -220,6 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sections.append(text)
         for label, error in outcome.failed.items():
             print(f"trial {label!r} failed: {error}", file=sys.stderr)
+        for label, status in outcome.unfinished.items():
+            print(f"trial {label!r} did not finish (MLflow status {status})", file=sys.stderr)
     if args.out:
         Path(args.out).write_text("\n".join(sections))
     return 1 if failed else 0

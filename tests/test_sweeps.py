@@ -3,6 +3,11 @@ into one MLflow parent run with nested child runs (marked service)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +39,16 @@ def test_summary_counts_the_steps_a_trial_trained_not_its_first_launchs_setting(
     killed = trial({"train/loss": [(5, 1.0), (12, 0.9)]})
     assert (killed.row()["steps"], killed.row()["images_seen"]) == (12, 12 * 128)
     assert trial({}).row()["steps"] == 20  # nothing logged: the configured steps are all there is
+
+
+def test_wall_time_leaves_out_the_idle_time_before_a_relaunch() -> None:
+    """A trial stopped at 100 s and relaunched an hour later: MLflow's start-to-end span holds the hour."""
+    from dmltrain.service.sweeps.summary import active_seconds
+
+    metrics = [10_000, 50_000, 100_000, 3_700_000 + 20_000, 3_700_000 + 60_000]
+    assert active_seconds(0, 3_700_000 + 65_000, [3_700_000], metrics) == 165.0
+    assert active_seconds(0, 120_000, [], metrics[:3]) == 120.0  # one launch: the span
+    assert active_seconds(0, None, [], metrics) is None  # never ended
 
 
 def test_overrides_may_follow_options_on_the_command_line() -> None:
@@ -195,6 +210,77 @@ def test_two_trial_sweep_nests_child_runs_under_one_parent(
     assert {r.label: r.row()["recall_at_1"] for r in again.results} == {
         r.label: r.row()["recall_at_1"] for r in outcome.results
     }
+
+
+@pytest.mark.service
+def test_a_stopped_sweep_says_it_stopped_and_how_to_continue(
+    ray_cluster, glyphs_root: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C on `dmltrain sweep`: Tune stops the trials and returns; the driver then said "sweep finished",
+    reported the unstarted trials as failed and printed Tune's `Tuner.restore` hint. It must say the sweep
+    stopped, which trials did not finish, that the same command continues it, and exit 130."""
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    path = _write(
+        tmp_path / "sweep.yaml",
+        {
+            "name": "stopped",
+            "base": str(REPO / "configs" / "quickstart.yaml"),
+            "experiment": "sweep-stop-test",
+            "overrides": {
+                "data.root": str(glyphs_root),
+                "data.prepare": None,
+                "train.steps": 2000,
+                "train.global_batch_size": 32,
+                "train.chunk_size": 32,
+                "train.log_every": 1,
+                "train.eval_at_start": False,
+                "run.storage_path": str(tmp_path / "ray_results"),
+                "mlflow.tracking_uri": tracking,
+                "mlflow.log_checkpoints": False,
+                "scaling.topology": "single-node",  # joins this session's cluster (RAY_ADDRESS)
+            },
+            "variants": [{"name": "a", "overrides": {}}, {"name": "b", "overrides": {}}],
+            "max_concurrent_trials": 1,
+        },
+    )
+    driver = subprocess.Popen(
+        [str(Path(sys.executable).parent / "dmltrain"), "sweep", str(path)],
+        cwd=tmp_path,
+        env={**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    client = MlflowClient(tracking)
+
+    def training() -> bool:
+        if driver.poll() is not None:
+            raise AssertionError(f"sweep exited early:\n{driver.stdout.read()[-4000:]}")
+        experiment = (
+            client.get_experiment_by_name("sweep-stop-test") if (tmp_path / "mlflow.db").exists() else None
+        )
+        runs = client.search_runs([experiment.experiment_id]) if experiment else []
+        return any(TRIAL_TAG in r.data.tags and "train/loss" in r.data.metrics for r in runs)
+
+    try:
+        deadline = time.monotonic() + 300
+        while not training():
+            assert time.monotonic() < deadline, "no trial trained within 300 s"
+            time.sleep(1)
+        driver.send_signal(signal.SIGINT)
+        output, _ = driver.communicate(timeout=180)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 130, output[-4000:]
+    assert "sweep stopped: 2 trial(s) did not finish: 'a' (KILLED), 'b' (not started)" in output, output[
+        -4000:
+    ]
+    assert "The same command continues it" in output
+    assert "Tuner.restore" not in output and "sweep finished" not in output and "error: trial" not in output
+    experiment_id = client.get_experiment_by_name("sweep-stop-test").experiment_id
+    runs = {r.data.tags.get(TRIAL_TAG, "parent"): r for r in client.search_runs([experiment_id])}
+    assert runs["parent"].info.status == "KILLED" and runs["a"].info.status == "KILLED"
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)

@@ -133,7 +133,7 @@ def _register_sweep(parser: argparse.ArgumentParser) -> None:
         "each through the same driver as `dmltrain train`, tracked as an MLflow parent run with a nested "
         "child run per trial; relaunching the same sweep continues it (finished trials are not re-run)."
     )
-    parser.add_argument("sweep", help="sweep YAML, e.g. configs/sweeps/losses.yaml")
+    parser.add_argument("sweep", help="sweep YAML, e.g. configs/sweeps/quality_losses.yaml")
     parser.add_argument(
         "overrides",
         nargs="*",
@@ -162,10 +162,27 @@ def _run_sweep(args: argparse.Namespace) -> int:
     if args.summary:
         with open(args.summary, "w") as handle:
             handle.write(outcome.summary)
-    print(f"sweep finished: MLflow parent run {outcome.parent_run_id} in {outcome.tracking_uri}")
+    where = f"MLflow parent run {outcome.parent_run_id} in {outcome.tracking_uri}"
+    if outcome.unfinished:
+        stopped = ", ".join(f"{label!r} ({status})" for label, status in outcome.unfinished.items())
+        print(
+            f"sweep stopped: {len(outcome.unfinished)} trial(s) did not finish: {stopped}; {where}. The same "
+            "command continues it (finished trials are not trained again)."
+        )
+    else:
+        print(f"sweep finished: {where}")
     for label, error in outcome.failed.items():
         print(f"error: trial {label!r} failed: {error}", file=sys.stderr)
-    return 1 if outcome.failed else 0
+    return 1 if outcome.failed else 130 if outcome.unfinished else 0
+
+
+def _add_tracking_uri(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="MLflow store for runs:/ and models:/ (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db "
+        "here)",
+    )
 
 
 _MODEL_HELP = "a model.pt or MLflow model folder, runs:/<run_id>/model, or models:/<name>/<version>"
@@ -186,12 +203,7 @@ def _register_evaluate(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="exact ranking (default: the run's eval.index) or k-NN metrics from a faiss index of this kind",
     )
-    parser.add_argument(
-        "--tracking-uri",
-        default=None,
-        help="MLflow store for runs:/ and models:/ (default: "
-        "$MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)",
-    )
+    _add_tracking_uri(parser)
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
@@ -233,7 +245,7 @@ def _register_index(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-log", action="store_true", help="do not log the index to the model's MLflow run"
     )
-    parser.add_argument("--tracking-uri", default=None, help="MLflow store for runs:/ and models:/")
+    _add_tracking_uri(parser)
 
 
 def _run_index(args: argparse.Namespace) -> int:
@@ -276,7 +288,7 @@ def _register_search(parser: argparse.ArgumentParser) -> None:
         "--data-root", default=None, help="shards for --grid (default: the indexed data root)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--tracking-uri", default=None, help="MLflow store for runs:/ and models:/")
+    _add_tracking_uri(parser)
 
 
 def _run_search(args: argparse.Namespace) -> int:
@@ -321,12 +333,13 @@ def _register_verify(parser: argparse.ArgumentParser) -> None:
         "image embeddings; prints TAR at each FAR as JSON. Template file: 'IMAGE TEMPLATE_ID [MEDIA_ID]' "
         "per line; pair file: 'TEMPLATE_ID TEMPLATE_ID 0|1' per line (IJB-C's own files as published)."
     )
-    parser.add_argument("model", help="model.pt written by a dmltrain run")
+    parser.add_argument("model", help=_MODEL_HELP)
     parser.add_argument("templates", help="template file, e.g. ijbc_face_tid_mid.txt")
     parser.add_argument("pairs", help="pair file, e.g. ijbc_template_pair_label.txt")
     parser.add_argument("--image-root", required=True, help="folder the template file's image paths are in")
     parser.add_argument("--far", type=float, nargs="+", default=[1e-3, 1e-4], help="false accept rates")
     parser.add_argument("--batch-size", type=int, default=128)
+    _add_tracking_uri(parser)
 
 
 def _run_verify(args: argparse.Namespace) -> int:
@@ -336,7 +349,13 @@ def _run_verify(args: argparse.Namespace) -> int:
 
     try:
         metrics = verify_saved_model(
-            args.model, args.templates, args.pairs, args.image_root, args.batch_size, args.far
+            args.model,
+            args.templates,
+            args.pairs,
+            args.image_root,
+            args.batch_size,
+            args.far,
+            tracking_uri=args.tracking_uri,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"dmltrain verify: error: {exc}", file=sys.stderr)

@@ -91,7 +91,9 @@ class SamplerConfig(_Section):
     name: Literal["pk", "hard", "vehicleid", "random", "triplet"] = "pk"
     samples_per_class: int = Field(default=4, ge=1, description="K images per class (Smooth-AP |P|).")
     pool_images: int | None = Field(
-        default=None, ge=1, description="Images buffered per loader worker; None = max(8 x batch, 1024)."
+        default=None,
+        ge=1,
+        description="Images buffered per loader worker; None = max(8 x its part of the batch, 1024).",
     )
     batches_per_pair: int | None = Field(
         default=None, ge=1, description="hard: batches per category pair; None = dataset hint (SOP 5)."

@@ -3,7 +3,8 @@
 The service logs at INFO so a run's progress shows in `ray job logs`. Some libraries log routine events at
 INFO that read like faults there: faiss's loader reports the separate AVX2 build it first looks for (wheels
 that ship one dynamically dispatched build never have it) as a ModuleNotFoundError before loading the build
-they do have. Those loggers are kept at WARNING, so a real failure to load still shows.
+they do have; Tune's TensorBoard logger calls every metric name with an ``@`` (``recall@1``) "illegal" as it
+renames it. Those loggers are kept at WARNING, so a real failure still shows.
 
 Ray (2.5x) logs a WARNING at every start of a local cluster that it turned token authentication on, its
 default for new clusters: nothing to act on, and authentication stays on. That one message is dropped; the
@@ -16,7 +17,7 @@ import logging
 import sys
 
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
-QUIET_LOGGERS = ("faiss.loader",)
+QUIET_LOGGERS = ("faiss.loader", "tensorboardX.summary")
 RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 RAY_AUTH_ON_NOTICE = "Token authentication is enabled for this Ray cluster"
 
@@ -37,9 +38,14 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format=FORMAT)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(max(level, logging.WARNING))
-    ray_auth = logging.getLogger(RAY_AUTH_LOGGER)
-    if not any(isinstance(f, _DropNotice) for f in ray_auth.filters):
-        ray_auth.addFilter(_DropNotice(RAY_AUTH_ON_NOTICE))
+    drop_notice(RAY_AUTH_LOGGER, RAY_AUTH_ON_NOTICE)
+
+
+def drop_notice(logger: str, prefix: str) -> None:
+    """Drop the records of `logger` that start with `prefix` (once, however often it is asked)."""
+    target = logging.getLogger(logger)
+    if not any(isinstance(f, _DropNotice) and f.prefix == prefix for f in target.filters):
+        target.addFilter(_DropNotice(prefix))
 
 
 def print_problems(error: BaseException) -> None:

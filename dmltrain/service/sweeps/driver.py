@@ -29,6 +29,7 @@ import yaml
 
 from dmltrain.service.cluster import check_shared_paths, decide_topology, storage_problems
 from dmltrain.service.config import ConfigError, ExperimentConfig
+from dmltrain.service.logs import drop_notice
 from dmltrain.service.preflight import check_config, check_data, load_data
 from dmltrain.service.run import check_cluster, connect_ray, resolve_paths
 from dmltrain.service.sweeps.spec import Sweep, Trial
@@ -47,6 +48,7 @@ class SweepOutcome:
     tracking_uri: str
     results: list[TrialResult]  # baselines first, then trials in the sweep file's order
     failed: dict[str, str]  # trial label -> error
+    unfinished: dict[str, str]  # trial label -> MLflow status, for trials a stopped sweep did not finish
     summary: str  # the markdown table logged as summary.md
 
 
@@ -216,7 +218,7 @@ def run_sweep(sweep: Sweep) -> SweepOutcome:
     status = "FAILED" if failed else "KILLED" if unfinished else "FINISHED"
     set_run_status(tracking_uri, parent_run_id, status)
     return SweepOutcome(
-        parent_run_id, tracking_uri, results, {**unfinished, **failed}, summary_markdown(results, title)
+        parent_run_id, tracking_uri, results, failed, unfinished, summary_markdown(results, title)
     )
 
 
@@ -233,7 +235,7 @@ def _unfinished(
             set_run_status(tracking_uri, run.run_id, "KILLED")
             run.status = "KILLED"
         if label not in failed and (run is None or run.status != "FINISHED"):
-            out[label] = f"did not finish (MLflow status {run.status if run else 'none: not started'})"
+            out[label] = run.status if run else "not started"
     return out
 
 
@@ -245,6 +247,9 @@ def _tune(
     from ray import tune
 
     connect_ray()
+    # A stopped sweep continues by running the same command (trials resume by run.name), not through the
+    # Tuner.restore call Tune suggests on Ctrl-C.
+    drop_notice("ray.tune.tune", "Experiment has been interrupted")
     resources = _trial_resources(sweep.spec.trial_resources)
     concurrent = sweep.spec.max_concurrent_trials or concurrent_trials(
         trials, sweep.spec.trial_resources, ray.cluster_resources()

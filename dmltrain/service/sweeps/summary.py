@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from dmltrain.service.sweeps.trial import BASELINE_TAG, TRIAL_TAG
+from dmltrain.service.tracking import SEGMENT_METRIC
 
 RECALL, MAP_R = "recall_at_1", "map_at_r"
 _CURVES = ("train/loss", "train/step_seconds", "train/peak_rss_mb", "train/images_per_second")
@@ -115,12 +116,13 @@ def collect(tracking_uri: str, parent_run_id: str) -> list[TrialResult]:
     results = []
     for run in runs:
         tags = run.data.tags
-        wanted = [k for k in run.data.metrics if k.startswith("eval/") or k in _CURVES]
+        wanted = [k for k in run.data.metrics if k.startswith("eval/") or k in (*_CURVES, SEGMENT_METRIC)]
+        logged = {key: client.get_metric_history(run.info.run_id, key) for key in wanted}
         history = {
-            key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
-            for key in wanted
+            key: sorted((m.step, m.value) for m in logged[key]) for key in wanted if key != SEGMENT_METRIC
         }
-        end, start = run.info.end_time, run.info.start_time
+        relaunches = [m.timestamp for m in logged.get(SEGMENT_METRIC, []) if m.value > 1]
+        times = [m.timestamp for key, ms in logged.items() if key != SEGMENT_METRIC for m in ms]
         results.append(
             TrialResult(
                 label=tags.get(TRIAL_TAG, run.info.run_name or run.info.run_id),
@@ -130,10 +132,25 @@ def collect(tracking_uri: str, parent_run_id: str) -> list[TrialResult]:
                 params=dict(run.data.params),
                 metrics=dict(run.data.metrics),
                 history=history,
-                wall_seconds=(end - start) / 1000 if end and start else None,
+                wall_seconds=active_seconds(run.info.start_time, run.info.end_time, relaunches, times),
             )
         )
     return results
+
+
+def active_seconds(
+    start_ms: int | None, end_ms: int | None, relaunches_ms: Sequence[int], metric_times_ms: Sequence[int]
+) -> float | None:
+    """Seconds a run was at work: MLflow's start-to-end span, less the idle time before each relaunch (a
+    stopped trial resumed the next day would otherwise count the night). A gap runs from the last metric
+    logged before the relaunch to the relaunch's ``run/segment`` record."""
+    if start_ms is None or end_ms is None:  # a run that never ended has no wall time yet
+        return None
+    total = end_ms - start_ms
+    for relaunch in relaunches_ms:
+        before = [t for t in metric_times_ms if t < relaunch]
+        total -= relaunch - max(before, default=start_ms)
+    return max(total, 0) / 1000
 
 
 def order(results: Sequence[TrialResult], labels: Sequence[str]) -> list[TrialResult]:
