@@ -15,7 +15,16 @@ from dmltrain.data.shards import ShardError
 
 
 class FatalRunError(RuntimeError):
-    """A failure that fails again on every restart (config, data layout, weights): never retried."""
+    """A failure that fails again on every restart (config, data layout, weights): never retried.
+
+    ``explained``: the message is the whole story (a damaged image or shard, a diverging loss), so the
+    tracebacks Ray Train logs for it are cut to that message (dmltrain.service.logs.ExplainedErrors).
+    Pickled with the exception, so the controller and the driver see it too.
+    """
+
+    def __init__(self, message: str, *, explained: bool = False) -> None:
+        super().__init__(message)
+        self.explained = explained
 
 
 # Raised while a worker sets up (model, data plan, weights): no restart makes them go away. Errors of the
@@ -25,9 +34,11 @@ FATAL_IN_SETUP = (ValueError, KeyError, TypeError, FileNotFoundError, ImportErro
 FATAL_IN_LOOP = (ShardError, SampleError, SamplingError)
 
 
-def as_fatal(exc: BaseException, rank: int, phase: str) -> FatalRunError:
+def as_fatal(exc: BaseException, rank: int, phase: str, *, explained: bool = False) -> FatalRunError:
     """A one-line FatalRunError naming the rank and phase, chained to ``exc``."""
-    return FatalRunError(f"rank {rank} {phase}: {type(exc).__name__}: {_first_line(exc)}")
+    return FatalRunError(
+        f"rank {rank} {phase}: {type(exc).__name__}: {_first_line(exc)}", explained=explained
+    )
 
 
 def _first_line(exc: BaseException) -> str:

@@ -14,12 +14,22 @@ warning that authentication is *off* is not.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from collections.abc import Sequence
 
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 QUIET_LOGGERS = ("faiss.loader", "tensorboardX.summary")
 RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 RAY_AUTH_ON_NOTICE = "Token authentication is enabled for this Ray cluster"
+# Ray Train's loggers that print a failed run's error with its traceback: the worker's, and the
+# controller's (its control loop and its failure policy).
+WORKER_LOGGERS = ("ray.train.v2._internal.util",)
+CONTROLLER_LOGGERS = (
+    "ray.train.v2._internal.execution.controller.controller",
+    "ray.train.v2._internal.execution.failure_handling.default",
+)
+FULL_TRACEBACKS_ENV = "DMLTRAIN_FULL_TRACEBACKS"  # =1: keep Ray's tracebacks of explained errors
 
 
 class _DropNotice(logging.Filter):
@@ -53,3 +63,40 @@ def print_problems(error: BaseException) -> None:
     above): what ``python -m dmltrain.run`` and ``dmltrain sweep`` print before exiting with status 2."""
     for line in str(error).splitlines():
         print(line if line.startswith(" ") else f"error: {line}", file=sys.stderr)
+
+
+def full_tracebacks() -> bool:
+    """Whether the user asked for Ray's full tracebacks of explained errors too (read on the driver)."""
+    return os.environ.get(FULL_TRACEBACKS_ENV, "") not in ("", "0")
+
+
+class ExplainedErrors(logging.Filter):
+    """Cuts a record about an explained FatalRunError (a damaged image, a diverging loss) to one line.
+
+    Ray Train logs a failing worker's error with its traceback in the worker, then twice in the controller:
+    about 90 lines above the driver's one ``error:`` line, for a message that already names the sample and
+    shard. The record keeps its first line and gets the error's message instead of the traceback. The
+    error is found as the record's exception or, for the worker's record (a formatted traceback string
+    logged inside its ``except`` block), as the exception being handled.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from dmltrain.service.errors import fatal_cause
+
+        error = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
+        fatal = fatal_cause(error)
+        if fatal is None or not getattr(fatal, "explained", False):
+            return True
+        head = record.getMessage().splitlines()[0].rstrip(": ")
+        message = str(fatal)
+        record.msg = head if message in head else f"{head}: {message}"
+        record.args, record.exc_info, record.exc_text = None, None, None
+        return True
+
+
+def shorten_explained_errors(loggers: Sequence[str]) -> None:
+    """Install :class:`ExplainedErrors` on `loggers` (once each)."""
+    for name in loggers:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, ExplainedErrors) for f in target.filters):
+            target.addFilter(ExplainedErrors())

@@ -42,7 +42,7 @@ from dmltrain.service.cluster import (
 )
 from dmltrain.service.config import LOADER_PRIORITY_ENV, ConfigError, ExperimentConfig, flatten
 from dmltrain.service.errors import FatalRunError, fatal_cause
-from dmltrain.service.logs import print_problems
+from dmltrain.service.logs import full_tracebacks, print_problems
 from dmltrain.service.preflight import check_config, check_data, load_data
 from dmltrain.service.resume import plan_launch
 from dmltrain.service.tracking import (
@@ -367,7 +367,12 @@ def launch(
     log.info("MLflow run %s (%s) at %s", run_id, "resumed" if existing else "new", tracking_uri)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": config_dump, "mlflow_run_id": run_id, "tracking_uri": tracking_uri},
+        train_loop_config={
+            "config": config_dump,
+            "mlflow_run_id": run_id,
+            "tracking_uri": tracking_uri,
+            "full_tracebacks": full_tracebacks(),
+        },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=config.scaling.num_workers,
@@ -384,7 +389,7 @@ def launch(
                 checkpoint_score_order=config.train.best_mode,
             ),
             failure_config=FailureConfig(max_failures=config.run.max_failures),
-            callbacks=[StopOnFatalError(), *callbacks],
+            callbacks=[StopOnFatalError(full_tracebacks()), *callbacks],
             worker_runtime_env={"env_vars": worker_env_vars(config, topology.multi_node, use_gpu)},
         ),
     )

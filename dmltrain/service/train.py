@@ -61,7 +61,7 @@ from dmltrain.service.checkpoints import (
 from dmltrain.service.config import LOADER_PRIORITY_ENV, ExperimentConfig
 from dmltrain.service.distributed_eval import EvalImageCache, evaluate
 from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
-from dmltrain.service.logs import setup_logging
+from dmltrain.service.logs import WORKER_LOGGERS, setup_logging, shorten_explained_errors
 from dmltrain.service.memory import peak_rss_mb, reset_peak_rss
 from dmltrain.service.prefetch import BatchPrefetcher
 from dmltrain.service.profiling import StepProfiler
@@ -772,7 +772,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         loop = WorkerLoop(config, loop_config["mlflow_run_id"], loop_config["tracking_uri"], ray_ctx)
     except FATAL_IN_SETUP as exc:
         raise as_fatal(exc, ray_ctx.rank, "setup") from exc
+    if not loop_config.get("full_tracebacks", False):
+        shorten_explained_errors(WORKER_LOGGERS)
     try:
         loop.run()
     except (*FATAL_IN_LOOP, NonFiniteLossError) as exc:
-        raise as_fatal(exc, ray_ctx.rank, loop.where()) from exc
+        # The message names the sample and shard, or the step that diverged: the traceback adds nothing.
+        raise as_fatal(exc, ray_ctx.rank, loop.where(), explained=True) from exc
