@@ -98,6 +98,30 @@ def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
         load_config(path, ["train.profile_start=0"])
 
 
+def test_booleans_infinities_and_paths_in_a_name_are_refused() -> None:
+    """YAML's true was read as 1 (train.steps=true trained one step), .inf passed as a learning rate, and
+    run.name=../x put the checkpoints outside run.storage_path."""
+    path = CONFIGS[0].parent / "quickstart.yaml"
+    for override, line in (
+        ("train.steps=true", "train.steps: expected an integer, got the boolean true"),
+        ("optim.lr=false", "optim.lr: expected a number, got the boolean false"),
+        ("loss.temperature=true", "loss.temperature: expected a number, got the boolean true"),
+        ("optim.lr=.inf", "optim.lr: Input should be a finite number"),
+        ("optim.grad_clip=.nan", "optim.grad_clip: Input should be a finite number"),
+        (
+            "run.name=../escape",
+            "run.name: must be a plain name (a folder under run.storage_path), got '../escape'",
+        ),
+        ("run.name=a/b", "run.name: must be a plain name"),
+    ):
+        with pytest.raises(ConfigError) as caught:
+            load_config(path, [override])
+        assert line in str(caught.value), (override, str(caught.value))
+    # Settings whose type includes a boolean still take one.
+    config = load_config(path, ["train.compile=false", "model.freeze_bn=false", "run.name=quick.start-2"])
+    assert config.train.compile is False and config.model.freeze_bn is False
+
+
 def test_worker_environment_keys(tmp_path: Path) -> None:
     from dmltrain.service.run import worker_env_vars
 

@@ -10,18 +10,56 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 
 class ConfigError(ValueError):
     """A configuration problem, with the file and key at fault in the message."""
 
 
+def _type_name(annotation: Any) -> str:
+    names = {int: "an integer", float: "a number", str: "a string"}
+    return names.get(annotation, "a number" if float in get_args(annotation) else "a value of its type")
+
+
+def _admits_bool(annotation: Any) -> bool:
+    """Whether a field's type lists ``bool`` (directly, in a union or in Literal values)."""
+    if annotation is bool or annotation is Any:
+        return True
+    if get_origin(annotation) is Literal:
+        return any(isinstance(value, bool) for value in get_args(annotation))
+    return any(_admits_bool(arg) for arg in get_args(annotation))
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No inf/nan in float settings (optim.lr=.inf trained on infinities); unknown keys are errors.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, data: Any) -> Any:
+        """YAML's true/false are not numbers: pydantic read train.steps=true as 1 step."""
+        if isinstance(data, Mapping):
+            for key, value in data.items():
+                field = cls.model_fields.get(key) if isinstance(key, str) else None
+                if isinstance(value, bool) and field is not None and not _admits_bool(field.annotation):
+                    raise PydanticCustomError(
+                        "bool_not_number",
+                        "{key}: expected {expected}, got the boolean {value}",  # see _describe_errors
+                        {"key": key, "expected": _type_name(field.annotation), "value": str(value).lower()},
+                    )
+        return data
 
 
 class DataConfig(_Section):
@@ -358,6 +396,15 @@ class ScalingConfigSection(_Section):
 
 class RunSection(_Section):
     name: str = Field(description="Ray Train run name: relaunching with the same name resumes.")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        """The run's folder under storage_path: ../x or a/b would put checkpoints elsewhere."""
+        if not value or value in (".", "..") or "/" in value or "\\" in value:
+            raise ValueError(f"must be a plain name (a folder under run.storage_path), got {value!r}")
+        return value
+
     storage_path: str = Field(default="./ray_results", description="Shared storage for Ray checkpoints.")
     max_failures: int = Field(default=3, ge=-1, description="Worker-group restarts from the last checkpoint.")
     keep_checkpoints: int = Field(
@@ -491,6 +538,11 @@ def _describe_errors(error: ValidationError, source: str) -> str:
             found.setdefault(key, []).append(("unknown key (typo?)", _NO_INPUT))
         elif item["type"] == "missing":
             found.setdefault(key, []).append(("required key is missing", _NO_INPUT))
+        elif item["type"] == "bool_not_number":  # found on the section: name the field
+            ctx = item.get("ctx", {})
+            found.setdefault(f"{key}.{ctx.get('key')}", []).append(
+                (f"expected {ctx.get('expected')}, got the boolean {ctx.get('value')}", _NO_INPUT)
+            )
         elif item["type"] == "value_error":  # a cross-field check: its message names the keys itself
             found.setdefault(key, []).append((str(item["msg"]).removeprefix("Value error, "), _NO_INPUT))
         else:
