@@ -131,3 +131,78 @@ def test_cli_fails_before_ray_is_contacted(config: str, overrides: list[str], ex
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert expected in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_where_the_run_writes_is_checked_in_seconds(tmp_path: Path) -> None:
+    """A tracking server that is down cost ~4 minutes of MLflow's retries and then a traceback; something
+    else on that port, a 404 traceback after Ray started; a storage path that is a file, a traceback from
+    Ray's controller after an MLflow run had been created. Checked against a real MLflow server, a real
+    web server that is not one, and a closed port."""
+    import http.server
+    import threading
+    import time
+
+    from dmltrain.service.preflight import check_outputs
+
+    (tmp_path / "file").write_text("")
+    ok = _config(f"run.storage_path={tmp_path / 'new' / 'ray_results'}")
+    check_outputs(ok, f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}")  # both folders made on demand
+    assert not (tmp_path / "new").exists() and not (tmp_path / "fresh").exists()  # nothing left behind
+    file_store = f"sqlite:///{tmp_path / 'file' / 'mlflow.db'}"
+    assert _one_line_error(check_outputs, ok, file_store) == (
+        f"mlflow.tracking_uri={file_store}: {tmp_path / 'file'} is a file, not a directory"
+    )
+    assert _one_line_error(
+        check_outputs, _config(f"run.storage_path={tmp_path / 'file'}"), "sqlite:///x.db"
+    ) == (f"run.storage_path={tmp_path / 'file'}: is a file, not a directory")
+    closed = f"http://127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    assert "cannot connect to 127.0.0.1:" in _one_line_error(check_outputs, ok, closed)
+    assert time.monotonic() - started < 5
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        message = _one_line_error(check_outputs, ok, f"http://127.0.0.1:{web.server_port}")
+        assert message.endswith("no MLflow server answers there (HTTP 501 from its REST API)"), message
+    finally:
+        web.shutdown()
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'server.db'}",
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        from dmltrain.service.preflight import tracking_problem
+
+        deadline = time.monotonic() + 60
+        while (problem := tracking_problem(f"http://127.0.0.1:{port}")) is not None:
+            assert time.monotonic() < deadline and server.poll() is None, problem
+            time.sleep(0.5)
+        check_outputs(ok, f"http://127.0.0.1:{port}/")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

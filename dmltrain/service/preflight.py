@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import socket
+import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from dmltrain.data import (
     BatchError,
@@ -29,6 +33,7 @@ from dmltrain.models import MissingExtraError
 from dmltrain.service.best import resolve_best_metric
 from dmltrain.service.builders import check_network
 from dmltrain.service.config import ConfigError, ExperimentConfig
+from dmltrain.service.tracking import sqlite_store_path
 
 log = logging.getLogger("dmltrain.service.preflight")
 
@@ -105,6 +110,106 @@ def check_data(config: ExperimentConfig, info: DatasetInfo) -> None:
         raise ConfigError(
             f"sampler.name={config.sampler.name} on {config.data.root}: {_one_line(error)}"
         ) from None
+
+
+# Tracking stores reached over the network, by scheme (SQLAlchemy's "postgresql+psycopg2" counts as
+# "postgresql"), with the port a URI without one means.
+_DEFAULT_PORTS = {
+    "http": 80,
+    "https": 443,
+    "postgresql": 5432,
+    "postgres": 5432,
+    "mysql": 3306,
+    "mssql": 1433,
+}
+
+
+def check_outputs(config: ExperimentConfig, tracking_uri: str, timeout_s: float = 5.0) -> None:
+    """Where the run writes: the MLflow store and ``run.storage_path`` (resolved), checked in seconds.
+
+    Without this, a tracking server that is down cost about 4 minutes of MLflow's retries and then a
+    traceback, and a storage path that is a file or on a read-only mount failed inside Ray's controller
+    after Ray had started and an MLflow run had been created.
+    """
+    problems = []
+    tracking = tracking_problem(tracking_uri, timeout_s)
+    if tracking:
+        problems.append(f"mlflow.tracking_uri={tracking_uri}: {tracking}")
+    storage = config.run.storage_path
+    if "://" not in storage:  # s3:// and other remote storage is Ray's (pyarrow's) to reach
+        problem = directory_problem(Path(storage))
+        if problem:
+            problems.append(f"run.storage_path={storage}: {problem}")
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def tracking_problem(uri: str, timeout_s: float = 5.0) -> str | None:
+    """Why the MLflow store at ``uri`` cannot be used, or None: a sqlite file whose folder cannot be
+    written, or a server (http, a database) that refuses or does not answer a connection."""
+    store = sqlite_store_path(uri)
+    if store is not None:
+        folder = store.expanduser().absolute().parent
+        problem = directory_problem(folder)
+        return f"{folder} {problem}" if problem and problem.startswith("is a file") else problem
+    parts = urlsplit(uri)
+    scheme = parts.scheme.split("+")[0].lower()
+    if scheme not in _DEFAULT_PORTS or not parts.hostname:
+        return None  # file:, databricks, a plugin's store: MLflow's own errors say more
+    try:
+        port = parts.port or _DEFAULT_PORTS[scheme]
+    except ValueError as error:
+        return f"invalid port ({error})"
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as error:
+        reason = error.strerror or str(error) or type(error).__name__
+        return f"cannot connect to {parts.hostname}:{port} ({reason})"
+    return _mlflow_server_problem(uri, timeout_s) if scheme in ("http", "https") else None
+
+
+def _mlflow_server_problem(uri: str, timeout_s: float) -> str | None:
+    """One request of MLflow's REST API, with the client's own credentials (MLFLOW_TRACKING_TOKEN, ...):
+    something else listening on that port, or credentials the server refuses, show here."""
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    try:
+        response = http_request(
+            get_default_host_creds(uri),
+            "/api/2.0/mlflow/experiments/search",
+            "POST",
+            max_retries=0,
+            timeout=timeout_s,
+            json={"max_results": 1},
+        )
+    except Exception as error:  # requests' and MLflow's own errors alike: the first line says why
+        return f"no MLflow server answers there ({_one_line(error)[:200]})"
+    if response.status_code in (401, 403):
+        return f"the server refused the credentials (HTTP {response.status_code}; see MLFLOW_TRACKING_TOKEN)"
+    if response.status_code != 200:
+        return f"no MLflow server answers there (HTTP {response.status_code} from its REST API)"
+    return None
+
+
+def directory_problem(path: Path) -> str | None:
+    """Why files cannot be written in the folder ``path`` (created on demand), or None. A real write of a
+    probe file, in the folder or its nearest existing parent: permissions, a read-only mount and a full
+    quota all show, where os.access would miss some."""
+    path = path.expanduser().absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return "is a file, not a directory" if existing == path else f"{existing} is a file"
+    try:
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".dmltrain-write-check-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        where = "" if existing == path else f" (in {existing}, where it would be created)"
+        return f"cannot write there{where}: {error.strerror or error}"
+    return None
 
 
 def _one_line(error: BaseException) -> str:

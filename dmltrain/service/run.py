@@ -43,7 +43,7 @@ from dmltrain.service.cluster import (
 from dmltrain.service.config import LOADER_PRIORITY_ENV, ConfigError, ExperimentConfig, flatten
 from dmltrain.service.errors import FatalRunError, fatal_cause
 from dmltrain.service.logs import full_tracebacks, print_problems
-from dmltrain.service.preflight import check_config, check_data, load_data
+from dmltrain.service.preflight import check_config, check_data, check_outputs, load_data
 from dmltrain.service.resume import plan_launch
 from dmltrain.service.tracking import (
     Segment,
@@ -309,6 +309,7 @@ def launch(
     view = check_cluster(config, tracking_uri, tracking_is_default)
     topology = decide_topology(config.scaling.topology, view)
     config = resolve_paths(config)
+    check_outputs(config, tracking_uri)
     info = prepare_data(config)
     if topology.multi_node:
         problems = check_shared_paths(config, view)

@@ -30,7 +30,7 @@ import yaml
 from dmltrain.service.cluster import check_shared_paths, decide_topology, storage_problems
 from dmltrain.service.config import ConfigError, ExperimentConfig
 from dmltrain.service.logs import drop_notice
-from dmltrain.service.preflight import check_config, check_data, load_data
+from dmltrain.service.preflight import check_config, check_data, check_outputs, load_data
 from dmltrain.service.run import check_cluster, connect_ray, resolve_paths
 from dmltrain.service.sweeps.spec import Sweep, Trial
 from dmltrain.service.sweeps.summary import TrialResult, collect, log_summary, order, summary_markdown
@@ -83,6 +83,8 @@ def _check_trials(sweep: Sweep) -> tuple[list[Trial], str, str, Any]:
         config = resolve_paths(trial.config)
         key = (config.data.root, config.data.prepare)
         try:
+            if not resolved:  # the trials share the tracking store and write under one storage path
+                check_outputs(config, tracking_uri)
             if key not in infos:
                 infos[key] = load_data(config)  # builds the embedded set once, before any trial runs
             check_data(config, infos[key])
