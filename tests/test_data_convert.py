@@ -113,6 +113,20 @@ def test_a_re_run_repairs_a_build_that_lost_or_cut_a_shard(
     assert {p.name: p.read_bytes() for p in shards} == intact
     prepare("folder", str(src), out, shard_size=4, progress=True)
     assert "up to date" in capsys.readouterr().err
+    # A build reused without a rescan (the glyph set's path: reuse_if) checks the same files once more
+    # after the scan; the damage is said once.
+    from dmltrain.data.datasets import scan_source
+
+    shards[0].unlink()
+    prepare_dataset(
+        lambda: scan_source("folder", str(src)),
+        out,
+        source_format="folder",
+        source_desc=str(src.resolve()),
+        shard_size=4,
+        reuse_if=lambda old: True,
+    )
+    assert capsys.readouterr().err.count("rebuilding:") == 1
 
 
 def test_csv_with_categories_and_splits(tmp_path: Path) -> None:

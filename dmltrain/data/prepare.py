@@ -91,15 +91,22 @@ def prepare_dataset(
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     with directory_lock(out):
         existing = out / METADATA_NAME
+        checked: dict[str, bool] = {}
+
+        def intact(old: DatasetInfo) -> bool:  # checked (and a damaged build reported) once
+            if "intact" not in checked:
+                checked["intact"] = _intact(out, old, progress)
+            return checked["intact"]
+
         if existing.is_file() and not force and reuse_if is not None:
             old = DatasetInfo.model_validate(json.loads(existing.read_text()))
-            if reuse_if(old) and _intact(out, old, progress):
+            if reuse_if(old) and intact(old):
                 return old
         source = scan()
         fingerprint = _fingerprint(source, source_format, shard_size, group_size, seed, resize)
         if existing.is_file() and not force:
             old = DatasetInfo.model_validate(json.loads(existing.read_text()))
-            if old.fingerprint == fingerprint and _intact(out, old, progress):
+            if old.fingerprint == fingerprint and intact(old):
                 images = sum(s.num_samples for s in old.splits.values())
                 _say(progress, f"{out}: up to date ({images} images)")
                 return old
