@@ -4,8 +4,8 @@ The loader workers draw each image's crop and flip and ship JPEG bytes; the trai
 batched `torchvision.io.decode_jpeg` calls and applies the same `TrainAugment.apply`. On a CPU device that
 path runs with libjpeg, so everything but nvJPEG itself is checked here against the PIL path: the draws,
 the tensor-side crop/resize/flip, determinism and resume, per-image fallback to PIL for PNG / grey / CMYK /
-unterminated JPEGs, and errors that name the sample and shard. tests/test_gpu_decode.py checks nvJPEG.
-Real shards written by the project's own prepare path.
+EXIF-rotated / unterminated JPEGs, and errors that name the sample and shard. tests/test_gpu_decode.py
+checks nvJPEG. Real shards written by the project's own prepare path.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from dmltrain.service.train import _decode_mode
 
 REPO = Path(__file__).parents[1]
 CPU = torch.device("cpu")
-KINDS = ("jpeg", "progressive", "png", "grey", "cmyk", "trailing", "jpeg444")
+KINDS = ("jpeg", "progressive", "png", "grey", "cmyk", "trailing", "jpeg444", "rotated")
 # Kinds the loader worker decodes itself (PIL), and the ones shipped encoded to the device decoder.
-WORKER_KINDS = {"png", "grey", "cmyk", "trailing"}
+WORKER_KINDS = {"png", "grey", "cmyk", "trailing", "rotated"}
 
 
 def pixels(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
@@ -62,6 +62,10 @@ def encoded(array: np.ndarray, kind: str) -> bytes:
         image.save(out, format="JPEG", quality=90, progressive=True)
     elif kind == "jpeg444":
         image.save(out, format="JPEG", quality=95, subsampling=0)
+    elif kind == "rotated":  # EXIF orientation 6: PIL turns it upright (sides swapped), nvJPEG would not
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        image.save(out, format="JPEG", quality=90, exif=exif)
     else:
         image.save(out, format="JPEG", quality=90)
     data = out.getvalue()

@@ -10,10 +10,11 @@ work per image on the host). Host buffers are pinned and copied without blocking
 work overlaps the training step when it runs one step ahead (the loader's join thread).
 
 Per image, what nvJPEG should not see is decoded by PIL in the loader worker with the same parameters:
-PNG/WebP samples, greyscale or CMYK JPEGs, and JPEGs that do not end with their end-of-image marker
-(truncated, or with trailing data: PIL tells which). A JPEG the device decoder refuses is retried alone,
-then decoded by PIL in the training process (logged); an image no decoder can read fails naming its sample
-and shard. On a CPU device the same path runs with libjpeg (tests, comparisons).
+PNG/WebP samples, greyscale or CMYK JPEGs, JPEGs with an EXIF orientation to apply (`flatten` turns them
+upright) and JPEGs that do not end with their end-of-image marker (truncated, or with trailing data: PIL
+tells which). A JPEG the device decoder refuses is retried alone, then decoded by PIL in the training
+process (logged); an image no decoder can read fails naming its sample and shard. On a CPU device the same
+path runs with libjpeg (tests, comparisons).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 
 from dmltrain.data.errors import SampleError, first_line, sample_name, unusable_sample
 from dmltrain.data.shards import Sample
-from dmltrain.data.transforms import CropFlip, TrainAugment, decode
+from dmltrain.data.transforms import CropFlip, TrainAugment, decode, exif_orientation
 
 log = logging.getLogger("dmltrain.data.device_decode")
 
@@ -81,16 +82,17 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return out.share_memory_() if get_worker_info() is not None else out
 
 
-def _header(data: bytes) -> tuple[str | None, str, int, int]:
-    """(format, mode, height, width) from the image header alone (PIL does not decode pixels here)."""
+def _header(data: bytes) -> tuple[str | None, str, int, int, int]:
+    """(format, mode, height, width, EXIF orientation) from the image header alone (PIL does not decode
+    pixels here; a JPEG's EXIF comes before them)."""
     with Image.open(io.BytesIO(data)) as image:
         width, height = image.size
-        return image.format, image.mode, height, width
+        return image.format, image.mode, height, width, exif_orientation(image)
 
 
-def for_the_device(data: bytes, fmt: str | None, mode: str) -> bool:
-    """A colour JPEG that ends with its end-of-image marker: what the device decoder gets."""
-    return fmt == "JPEG" and mode == "RGB" and data.rstrip(b"\0").endswith(b"\xff\xd9")
+def for_the_device(data: bytes, fmt: str | None, mode: str, orientation: int = 1) -> bool:
+    """An upright colour JPEG that ends with its end-of-image marker: what the device decoder gets."""
+    return fmt == "JPEG" and mode == "RGB" and orientation == 1 and data.rstrip(b"\0").endswith(b"\xff\xd9")
 
 
 def encode_part(samples: list[Sample], augment: TrainAugment) -> EncodedPart:
@@ -101,11 +103,15 @@ def encode_part(samples: list[Sample], augment: TrainAugment) -> EncodedPart:
     decoded: list[torch.Tensor] = []
     for sample in samples:
         try:
-            fmt, mode, height, width = _header(sample.data)
-            box = augment.draw(height, width)
-            device = for_the_device(sample.data, fmt, mode)
-            if not device:
-                decoded.append(augment.apply(decode(sample.data), box))
+            fmt, mode, height, width, orientation = _header(sample.data)
+            device = for_the_device(sample.data, fmt, mode, orientation)
+            if device:
+                box = augment.draw(height, width)
+            else:  # drawn on the decoded (upright) size, as the CPU path draws
+                image = decode(sample.data)
+                height, width = image.shape[-2:]
+                box = augment.draw(height, width)
+                decoded.append(augment.apply(image, box))
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
             raise unusable_sample(sample, exc) from exc
         sizes.append(len(sample.data) if device else 0)

@@ -7,6 +7,7 @@ import io
 from PIL import Image
 
 from dmltrain.data.errors import decode_failure
+from dmltrain.data.transforms import flatten
 
 _EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 
@@ -19,7 +20,8 @@ def checked_image(data: bytes, resize: int | None = None) -> tuple[bytes, str]:
     """(bytes, extension) for a sample: the original bytes when possible, so conversion is lossless.
 
     The whole image is decoded once, because a truncated JPEG only fails when its last scan is read; a
-    format other than JPEG/PNG/WebP, or `resize` (shorter side in pixels), re-encodes the image.
+    format other than JPEG/PNG/WebP, or `resize` (shorter side in pixels), re-encodes the image as `flatten`
+    gives it (upright, alpha on white, 8 bits): PNG, or JPEG for a JPEG source.
     """
     if not data:
         raise ImageError("empty file")
@@ -37,6 +39,7 @@ def checked_image(data: bytes, resize: int | None = None) -> tuple[bytes, str]:
 
 
 def _reencode(image: Image.Image, fmt: str | None, resize: int | None) -> tuple[bytes, str]:
+    image = flatten(image, keep_grey=True)  # what training would decode: upright, alpha on white, 8 bits
     if resize is not None:
         w, h = image.size
         scale = resize / min(w, h)
@@ -46,7 +49,5 @@ def _reencode(image: Image.Image, fmt: str | None, resize: int | None) -> tuple[
     if fmt == "JPEG":
         image.convert("RGB").save(out, format="JPEG", quality=95)
         return out.getvalue(), "jpg"
-    if image.mode not in ("RGB", "RGBA", "L", "LA"):
-        image = image.convert("RGBA" if "A" in image.getbands() else "RGB")
     image.save(out, format="PNG")
     return out.getvalue(), "png"

@@ -40,19 +40,78 @@ ResizeMode = Literal["shorter_side", "warp"]
 RESIZE_MODES: tuple[ResizeMode, ...] = ("shorter_side", "warp")
 
 
-def decode(data: bytes, keep_grey: bool = False) -> torch.Tensor:
-    """Encoded JPEG/PNG/WebP bytes -> uint8 (3, H, W); grey or RGBA sources become RGB.
+# Where PIL finds an EXIF orientation (`Image.getexif`): looked at only when one of these is there.
+_EXIF_KEYS = ("exif", "Raw profile type exif", "XML:com.adobe.xmp", "xmp")
+_ORIENTATION = 0x0112
+# EXIF orientation -> the transpose that shows the image upright (PIL.ImageOps.exif_transpose's table).
+_UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+_ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa"})
+_GREY16_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N", "I"})
 
-    ``keep_grey``: a greyscale (mode "L") source stays one channel, (1, H, W), so a transform that treats
-    channels alike (crops, resizes, flips: `treats_channels_alike`) does a third of the pixel work; `as_rgb`
-    then repeats the channel, which gives exactly what converting first would have.
-    PIL rather than torchvision.io, whose decoders are deprecated since torchvision 0.29 (same libjpeg).
+
+def exif_orientation(image: Image.Image) -> int:
+    """The image's EXIF orientation, 1 (stored upright) to 8; 1 without one, or when the EXIF block is
+    unreadable (such images decoded before, and still do). A PNG's eXIf chunk may follow its pixels: read
+    it after ``image.load()``."""
+    if image.format != "TIFF" and not any(key in image.info for key in _EXIF_KEYS):
+        return 1  # the hot path: no EXIF to parse
+    try:
+        return int(image.getexif().get(_ORIENTATION, 1))
+    except Exception:  # a damaged EXIF block (PIL raises SyntaxError, struct.error, ValueError...)
+        return 1
+
+
+def flatten(image: Image.Image, keep_grey: bool = False) -> Image.Image:
+    """The 8-bit, upright, opaque image that training, evaluation, serving and `dmltrain prepare`'s re-encode
+    all see: mode "RGB", or "L" for a grey source when `keep_grey`.
+
+    Why not just ``convert("RGB")``: it drops alpha, keeping whatever colour lies under alpha 0 (a black
+    cut-out on a transparent background becomes all black), so images with alpha (RGBA/LA/PA, or a
+    ``transparency`` colour in a P/L/RGB PNG) are composited onto white, as product photos and cut-outs
+    are shown; it clips 16-bit grey to white, so those are scaled to 8 bits (65535 -> 255); and it
+    ignores the EXIF orientation a camera writes instead of rotating the pixels, which is applied here.
+    8-bit RGB and L sources without alpha or an EXIF turn come back as they are (no copy); CMYK, palette
+    and bilevel images convert as before.
+    """
+    image.load()  # PNG chunks after the pixels (eXIf, tRNS) are in `info` only then
+    orientation = exif_orientation(image)
+    if orientation in _UPRIGHT:
+        image = image.transpose(_UPRIGHT[orientation])  # PIL's savers do not copy `info`'s EXIF: no 2nd turn
+    if image.mode in _GREY16_MODES:
+        values = np.clip(np.asarray(image), 0, 65535).astype(np.uint32)
+        image = Image.fromarray(((values + 128) // 257).astype(np.uint8))  # rounded value / 257
+    mode = image.mode
+    if mode in _ALPHA_MODES or "transparency" in image.info:
+        grey = keep_grey and mode in ("L", "LA")
+        with_alpha = image.convert("LA" if grey else "RGBA")
+        flat = Image.new("L" if grey else "RGB", image.size, "white")
+        flat.paste(with_alpha, mask=with_alpha.getchannel("A"))
+        return flat
+    if mode == "RGB" or (keep_grey and mode == "L"):
+        return image
+    return image.convert("RGB")
+
+
+def decode(data: bytes, keep_grey: bool = False) -> torch.Tensor:
+    """Encoded JPEG/PNG/WebP bytes -> uint8 (3, H, W), by `flatten` (upright, alpha on white, 8 bits).
+
+    ``keep_grey``: a greyscale source (mode "L", 16-bit grey, grey with alpha) stays one channel, (1, H, W),
+    so a transform that treats channels alike (crops, resizes, flips: `treats_channels_alike`) does a third
+    of the pixel work; `as_rgb` then repeats the channel, which gives exactly what converting first would
+    have. PIL rather than torchvision.io, whose decoders are deprecated since torchvision 0.29 (same libjpeg).
     """
     with Image.open(io.BytesIO(data)) as image:
-        if keep_grey and image.mode == "L":
-            return torch.from_numpy(np.array(image)).unsqueeze(0)
-        array = np.array(image.convert("RGB"))
-    return torch.from_numpy(array).permute(2, 0, 1)
+        array = np.array(flatten(image, keep_grey))
+    tensor = torch.from_numpy(array)
+    return tensor.unsqueeze(0) if tensor.ndim == 2 else tensor.permute(2, 0, 1)
 
 
 def as_rgb(image: torch.Tensor) -> torch.Tensor:
