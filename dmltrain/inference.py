@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 
 from dmltrain.data.errors import decode_failure
-from dmltrain.data.transforms import Transform, decode
+from dmltrain.data.transforms import Transform, decode, flatten
 from dmltrain.models import normalize_images
 
 __all__ = ["embed_batch", "embed_images", "image_tensor"]
@@ -23,7 +24,8 @@ __all__ = ["embed_batch", "embed_images", "image_tensor"]
 
 def image_tensor(image: Any, what: str = "image") -> torch.Tensor:
     """One image as uint8 (3, H, W) RGB: encoded JPEG/PNG/WebP bytes (or their base64 text, as JSON carries
-    them), or a uint8 array (H, W, C) with C in 1, 3, 4 or (H, W) (RGBA drops alpha, grey repeats)."""
+    them), or a uint8 array (H, W, C) with C in 1, 3, 4 or (H, W). An array is what its PNG would decode to
+    (`transforms.flatten`): RGBA composited onto white, grey repeated."""
     if isinstance(image, str):
         try:
             image = base64.b64decode(image, validate=True)
@@ -41,7 +43,9 @@ def image_tensor(image: Any, what: str = "image") -> torch.Tensor:
         a = a[:, :, None]
     if a.ndim != 3 or a.shape[2] not in (1, 3, 4) or min(a.shape[:2]) < 1:
         raise ValueError(f"{what}: expected a (H, W, C) array with C in 1, 3 or 4, got shape {a.shape}")
-    a = a[:, :, :3] if a.shape[2] == 4 else np.repeat(a, 3, axis=2) if a.shape[2] == 1 else a
+    if a.shape[2] == 4:
+        a = np.asarray(flatten(Image.fromarray(np.ascontiguousarray(a), "RGBA")))
+    a = np.repeat(a, 3, axis=2) if a.shape[2] == 1 else a
     return torch.from_numpy(np.ascontiguousarray(a)).permute(2, 0, 1)
 
 

@@ -393,8 +393,15 @@ def test_image_inputs_of_every_form() -> None:
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format="PNG")
     assert torch.equal(image_tensor(buf.getvalue()), torch.from_numpy(rgb).permute(2, 0, 1))
+    opaque = np.concatenate([rgb, np.full((9, 7, 1), 255, np.uint8)], axis=2)
+    assert torch.equal(image_tensor(opaque), image_tensor(rgb))
+    # An RGBA array is the image its PNG bytes are: composited onto white (it dropped alpha, so a cut-out on
+    # a transparent background embedded differently as an array and as a file).
     rgba = np.concatenate([rgb, np.full((9, 7, 1), 9, np.uint8)], axis=2)
-    assert torch.equal(image_tensor(rgba), image_tensor(rgb))
+    buf = io.BytesIO()
+    Image.fromarray(rgba, "RGBA").save(buf, format="PNG")
+    assert torch.equal(image_tensor(rgba), image_tensor(buf.getvalue()))
+    assert not torch.equal(image_tensor(rgba), image_tensor(rgb))
     assert image_tensor(rgb[:, :, 0]).shape == (3, 9, 7)
     with pytest.raises(ValueError, match="uint8"):
         image_tensor(rgb.astype(np.float32))
