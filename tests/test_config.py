@@ -106,6 +106,8 @@ def test_booleans_infinities_and_paths_in_a_name_are_refused() -> None:
         ("train.steps=true", "train.steps: expected an integer, got the boolean true"),
         ("optim.lr=false", "optim.lr: expected a number, got the boolean false"),
         ("loss.temperature=true", "loss.temperature: expected a number, got the boolean true"),
+        ("eval.ks=[1,true]", "eval.ks: expected numbers, got the boolean true"),
+        ("data.crop_scale=[false,1.0]", "data.crop_scale: expected numbers, got the boolean false"),
         ("optim.lr=.inf", "optim.lr: Input should be a finite number"),
         ("optim.grad_clip=.nan", "optim.grad_clip: Input should be a finite number"),
         (

@@ -53,11 +53,14 @@ class _Section(BaseModel):
         if isinstance(data, Mapping):
             for key, value in data.items():
                 field = cls.model_fields.get(key) if isinstance(key, str) else None
-                if isinstance(value, bool) and field is not None and not _admits_bool(field.annotation):
+                items = value if isinstance(value, list | tuple) else [value]  # eval.ks=[true] too
+                flag = next((v for v in items if isinstance(v, bool)), None)
+                if flag is not None and field is not None and not _admits_bool(field.annotation):
+                    expected = _type_name(field.annotation) if items is not value else "numbers"
                     raise PydanticCustomError(
                         "bool_not_number",
                         "{key}: expected {expected}, got the boolean {value}",  # see _describe_errors
-                        {"key": key, "expected": _type_name(field.annotation), "value": str(value).lower()},
+                        {"key": key, "expected": expected, "value": str(flag).lower()},
                     )
         return data
 
