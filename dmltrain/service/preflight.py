@@ -186,7 +186,10 @@ def _mlflow_server_problem(uri: str, timeout_s: float) -> str | None:
     except Exception as error:  # requests' and MLflow's own errors alike: the first line says why
         return f"no MLflow server answers there ({_one_line(error)[:200]})"
     if response.status_code in (401, 403):
-        return f"the server refused the credentials (HTTP {response.status_code}; see MLFLOW_TRACKING_TOKEN)"
+        return (
+            f"the server refused the credentials (HTTP {response.status_code}): set MLFLOW_TRACKING_USERNAME "
+            "and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN"
+        )
     if response.status_code != 200:
         return f"no MLflow server answers there (HTTP {response.status_code} from its REST API)"
     return None
