@@ -119,13 +119,11 @@ def artifact_location(tracking_uri: str, experiment: str) -> str | None:
     runs in, which scatters checkpoints and models (a benchmark launched from the repository with its store
     elsewhere left 2.2 GB there). None: the store or server decides (a file store keeps artifacts inside
     itself, a server has its own artifact root)."""
-    if not tracking_uri.startswith("sqlite:///"):
-        return None
-    database = tracking_uri[len("sqlite:///") :].split("?", 1)[0]
-    if not database or database == ":memory:":
+    database = sqlite_store_path(tracking_uri)
+    if database is None:
         return None
     folder = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("._") or "experiment"
-    return str(Path(database).resolve().parent / "mlruns" / folder)
+    return str(database.resolve().parent / "mlruns" / folder)
 
 
 def ensure_experiment(client: MlflowClient, tracking_uri: str, experiment: str) -> str:
