@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -91,25 +92,19 @@ def prepare_dataset(
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     with directory_lock(out):
         existing = out / METADATA_NAME
-        checked: dict[str, bool] = {}
-
-        def intact(old: DatasetInfo) -> bool:  # checked (and a damaged build reported) once
-            if "intact" not in checked:
-                checked["intact"] = _intact(out, old, progress)
-            return checked["intact"]
-
-        if existing.is_file() and not force and reuse_if is not None:
-            old = DatasetInfo.model_validate(json.loads(existing.read_text()))
-            if reuse_if(old) and intact(old):
-                return old
-        source = scan()
-        fingerprint = _fingerprint(source, source_format, shard_size, group_size, seed, resize)
+        old = None
         if existing.is_file() and not force:
             old = DatasetInfo.model_validate(json.loads(existing.read_text()))
-            if old.fingerprint == fingerprint and intact(old):
-                images = sum(s.num_samples for s in old.splits.values())
-                _say(progress, f"{out}: up to date ({images} images)")
-                return old
+        # Its shards are checked (and a damaged build reported) once, whichever test below asks first.
+        intact = functools.cache(lambda: old is not None and _intact(out, old, progress))
+        if old is not None and reuse_if is not None and reuse_if(old) and intact():
+            return old
+        source = scan()
+        fingerprint = _fingerprint(source, source_format, shard_size, group_size, seed, resize)
+        if old is not None and old.fingerprint == fingerprint and intact():
+            images = sum(s.num_samples for s in old.splits.values())
+            _say(progress, f"{out}: up to date ({images} images)")
+            return old
         class_ids, category_ids = _label_ids(source)
         plans = _plan_shards(source, class_ids, category_ids, shard_size, group_size, seed)
         records = _write_all(out, plans, fingerprint, resize, workers, progress)
