@@ -34,6 +34,12 @@ def unusable_sample(sample: Sample, exc: BaseException) -> SampleError:
     return SampleError(f"{where}: cannot decode/transform the image: {_IN_MEMORY_FILE.sub('', str(exc))}")
 
 
+def first_few(items: list[str], shown: int, sep: str = ", ") -> str:
+    """The first `shown` of `items` joined by `sep`, then how many more: a message stays one line however
+    many shards or files are at fault."""
+    return sep.join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
 def first_line(exc: BaseException) -> str:
     """An error's first line for a log or message line, or its type where it has no message."""
     text = str(exc).strip()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dmltrain.data.errors import first_few
 from dmltrain.data.urls import join_url, read_bytes
 
 FORMAT_VERSION = 1
@@ -137,4 +138,4 @@ def damaged_shards(info: DatasetInfo, root: str | Path, splits: list[str] | None
                 damaged.append(f"shard {shard.name} has {size} bytes, {shard.size_bytes} written")
     if not damaged:
         return None
-    return "; ".join(damaged[:3]) + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")
+    return first_few(damaged, 3, sep="; ")

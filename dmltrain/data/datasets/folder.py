@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dmltrain.data.datasets.base import SourceDataset, SourceItem, SourceLayoutError, split_classes
+from dmltrain.data.errors import first_few
 from dmltrain.data.metadata import Evaluation
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
@@ -96,15 +97,11 @@ def _class_items(directory: Path, split: str, root: Path) -> tuple[list[SourceIt
     notes = [f"folder: {d}/ is a hidden or archive folder, not a class: ignored" for d in ignored_dirs]
     if empty:
         notes.append(
-            f"folder: {len(empty)} class folder(s) hold no images and are not classes: {_some(empty)}"
+            f"folder: {len(empty)} class folder(s) hold no images and are not classes: {first_few(empty, 5)}"
         )
     if others:
         notes.append(
             f"folder: {len(others)} file(s) without an image suffix ({', '.join(sorted(IMAGE_SUFFIXES))}) "
-            f"were not read: {_some(others)}"
+            f"were not read: {first_few(others, 5)}"
         )
     return items, notes
-
-
-def _some(names: list[str], shown: int = 5) -> str:
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
