@@ -344,6 +344,7 @@ def launch(
             "in the cluster: set data.decode=auto or cpu"
         )
     config_dump = config.model_dump(mode="json")
+    keep_tracebacks = full_tracebacks()  # the driver's environment decides, for workers and controller
     if existing is None:
         run_id = create_run(
             tracking_uri,
@@ -372,7 +373,7 @@ def launch(
             "config": config_dump,
             "mlflow_run_id": run_id,
             "tracking_uri": tracking_uri,
-            "full_tracebacks": full_tracebacks(),
+            "full_tracebacks": keep_tracebacks,
         },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(
@@ -390,7 +391,7 @@ def launch(
                 checkpoint_score_order=config.train.best_mode,
             ),
             failure_config=FailureConfig(max_failures=config.run.max_failures),
-            callbacks=[StopOnFatalError(full_tracebacks()), *callbacks],
+            callbacks=[StopOnFatalError(keep_tracebacks), *callbacks],
             worker_runtime_env={"env_vars": worker_env_vars(config, topology.multi_node, use_gpu)},
         ),
     )
