@@ -11,10 +11,11 @@ threads, as Ray runs the quickstart) and "2x1" (two gloo processes, 1 thread eac
 built once in its group and fed the same decoded batches (real glyph shards through the real TrainLoader,
 decoded once up front); the groups take turns, variant by variant, in rounds (the order rotates every
 round), so load changes hit all variants alike. A block is S steps between two barriers; a variant's figure
-is the median over rounds of its seconds per step. Every process gets the OpenMP wait policy that Ray gives
-the service's workers (scaling.omp_wait_policy) and runs at the benchmark's niceness, as the service's
-workers do (scaling.worker_niceness: auto = 0 on one CPU node adds nothing to it); "+ data" loaders run
-under the config's loader priority (data.loader_priority: auto = SCHED_IDLE for CPU training).
+is the median over rounds of its seconds per step. Every process gets the OpenMP wait policy and the malloc
+settings that Ray gives the service's workers (scaling.omp_wait_policy, scaling.keep_freed_memory: auto = on
+for CPU workers) and runs at the benchmark's niceness, as the service's workers do (scaling.worker_niceness:
+auto = 0 on one CPU node adds nothing to it); "+ data" loaders run under the config's loader priority
+(data.loader_priority: auto = SCHED_IDLE for CPU training).
   bare loop           model(normalize(x)) -> loss -> backward -> Adam(fused=True) on the global batch, with
                       2 threads and with 1: the faster is the baseline (on a loaded machine a 2-thread
                       step waits for its slower thread); also with torch's default Adam, for reference.
@@ -400,7 +401,8 @@ def run_service(
     from mlflow.tracking import MlflowClient
 
     env = {
-        **os.environ,
+        # the workers get the malloc settings from the service (scaling.keep_freed_memory), Ray's daemons not
+        **{key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")},
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # loopback only, single node
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -523,7 +525,7 @@ def _bench(args: argparse.Namespace, workdir: Path) -> None:
 
     from dmltrain.data import ensure_glyphs
     from dmltrain.service.config import flatten, load_config, to_yaml
-    from dmltrain.service.run import OMP_WAIT_KEYS, worker_env_vars
+    from dmltrain.service.run import KEEP_FREED_MEMORY_ENV, OMP_WAIT_KEYS, worker_env_vars
     from dmltrain.service.tracking import start_or_resume_run
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -557,10 +559,12 @@ def _bench(args: argparse.Namespace, workdir: Path) -> None:
         return _median([r.get(key, float("nan")) for r in results.get((layout, variant), [])])
 
     group_variants = {"1x2": list(BASELINES)} if args.skip_steps else GROUP_VARIANTS
-    # The bare loops and the service steps run under the OpenMP settings Ray gives the service's workers.
-    # Only OpenMP's: RAY_worker_niceness in this environment would reach every Ray process of part 2 through
-    # the driver, where the service gives it to its training workers alone.
-    os.environ.update({key: value for key, value in worker_env.items() if key in OMP_WAIT_KEYS})
+    # The bare loops and the service steps run under the OpenMP and malloc settings Ray gives the service's
+    # workers. Only those: RAY_worker_niceness in this environment would reach every Ray process of part 2
+    # through the driver, where the service gives it to its training workers alone (and run_service takes
+    # the malloc settings out of the driver's environment for the same reason).
+    process_keys = OMP_WAIT_KEYS | KEEP_FREED_MEMORY_ENV.keys()
+    os.environ.update({key: value for key, value in worker_env.items() if key in process_keys})
     jobs = [(layout, v) for layout, variants in group_variants.items() for v in variants]
     try:
         for layout, variants in group_variants.items():

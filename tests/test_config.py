@@ -132,13 +132,25 @@ def test_worker_environment_keys(tmp_path: Path) -> None:
         "GOMP_SPINCOUNT": "10000",  # brief: spin about 0.1 ms, then sleep
         "RAY_worker_niceness": "0",
         "DMLTRAIN_LOADER_PRIORITY": "idle",
+        # keep_freed_memory auto on CPU workers: one arena, 1 GiB thresholds
+        "MALLOC_ARENA_MAX": "1",
+        "MALLOC_MMAP_THRESHOLD_": "1073741824",
+        "MALLOC_TRIM_THRESHOLD_": "1073741824",
     }
     inherited = [
         "scaling.omp_wait_policy=null",
         "scaling.worker_niceness=null",
         "data.loader_priority=normal",
+        "scaling.keep_freed_memory=false",
     ]
     assert worker_env_vars(load_config(path, inherited)) == {"DMLTRAIN_LOADER_PRIORITY": "normal"}
+    # auto keeps glibc's defaults on GPU workers; true sets them there too
+    assert "MALLOC_ARENA_MAX" not in worker_env_vars(load_config(path), use_gpu=True)
+    assert "MALLOC_ARENA_MAX" in worker_env_vars(load_config(path), multi_node=True)
+    forced = load_config(path, ["scaling.keep_freed_memory=true"])
+    assert worker_env_vars(forced, use_gpu=True)["MALLOC_TRIM_THRESHOLD_"] == "1073741824"
+    with pytest.raises(ConfigError, match=r"scaling\.keep_freed_memory"):
+        load_config(path, ["scaling.keep_freed_memory=sometimes"])
     # auto loaders: idle only for CPU training on one node, with the workers at niceness 0
     assert worker_env_vars(load_config(path), multi_node=True)["DMLTRAIN_LOADER_PRIORITY"] == "normal"
     assert worker_env_vars(load_config(path), use_gpu=True)["DMLTRAIN_LOADER_PRIORITY"] == "normal"

@@ -124,6 +124,7 @@ def test_run_logs_then_resumes_into_the_same_mlflow_run(
     assert run.data.tags["dmltrain.torch_threads"] == "1"
     assert run.data.tags["dmltrain.worker_niceness"] == str(os.nice(0))
     assert run.data.tags["dmltrain.loader_priority"] == "idle"
+    assert run.data.tags["dmltrain.malloc"].startswith("MALLOC_ARENA_MAX=1 ")  # keep_freed_memory: auto
     times = {k for k in run.data.metrics if k.startswith("time/")}
     assert {"time/step_seconds", "time/eval_seconds", "time/checkpoint_seconds", "time/loop_seconds"} <= times
 

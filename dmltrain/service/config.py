@@ -381,6 +381,15 @@ class ScalingConfigSection(_Section):
         "loaders). "
         "brief: 150-step quickstarts on the AVX2 machine stepped 1.48x as fast as passive (README).",
     )
+    keep_freed_memory: bool | Literal["auto"] = Field(
+        default="auto",
+        description="glibc malloc in the workers keeps the memory a step frees for the next step instead "
+        "of handing it back to the OS (MALLOC_ARENA_MAX=1, MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ "
+        "of 1 GiB): with glibc's defaults the quickstart's CPU step faulted about 15,000 fresh pages "
+        "(60 MB) back in every step, 37 ms of kernel time, and larger tensors in Ray Train's training "
+        "thread are always fresh mmaps (bench/malloc.py). auto = on for CPU workers, glibc's defaults on "
+        "GPU workers (their step's memory is the GPU's); other C libraries ignore the variables.",
+    )
     worker_niceness: Literal["auto"] | Annotated[int, Field(ge=0, le=19)] | None = Field(
         default="auto",
         description="Niceness of the training workers (RAY_worker_niceness in their runtime env). Ray starts "

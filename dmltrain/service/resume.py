@@ -48,6 +48,7 @@ RESUMABLE_KEYS = frozenset(
         "run.resume",
         "scaling.torch_threads",
         "scaling.omp_wait_policy",
+        "scaling.keep_freed_memory",
         "scaling.topology",
         "data.prepare",
         "data.decode",

@@ -108,15 +108,27 @@ OMP_WAIT_ENV: dict[str | None, dict[str, str]] = {
     "active": {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000000000"},
 }
 OMP_WAIT_KEYS = frozenset(key for env in OMP_WAIT_ENV.values() for key in env)
+# scaling.keep_freed_memory: glibc malloc keeps what a step frees. One arena, because Ray Train runs the
+# training function in a thread, and a thread's own arena cannot hold a block beyond its 64 MB heaps (those
+# are fresh mmaps, faulted in page by page every step); thresholds of 1 GiB, because glibc's dynamic mmap
+# threshold stops at 32 MB and its trim threshold hands the top of the heap back after each step.
+KEEP_FREED_MEMORY_ENV: dict[str, str] = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+}
 
 
 def worker_env_vars(
     config: ExperimentConfig, multi_node: bool = False, use_gpu: bool = False
 ) -> dict[str, str]:
-    """Environment the training workers start with. OpenMP reads its wait settings once, when torch loads,
-    and Ray's core worker applies RAY_worker_niceness once, when it starts, so both have to be in the
-    worker's environment from the start (Ray's worker runtime env)."""
+    """Environment the training workers start with. OpenMP reads its wait settings and glibc its malloc
+    settings once, when the process starts, and Ray's core worker applies RAY_worker_niceness once, when it
+    starts, so all have to be in the worker's environment from the start (Ray's worker runtime env)."""
     env = dict(OMP_WAIT_ENV.get(config.scaling.omp_wait_policy, {}))
+    keep_freed = config.scaling.keep_freed_memory
+    if keep_freed is True or (keep_freed == "auto" and not use_gpu):
+        env.update(KEEP_FREED_MEMORY_ENV)
     # The measured case: CPU training beside its loaders on one node. SCHED_IDLE loaders pay only with the
     # workers at niceness 0 (bench/service.py); elsewhere both stay as Ray and the OS have them (with idle
     # loaders on the 2-core multi-node test bed, two of four CI runs had a run outpace its node-loss test).

@@ -224,6 +224,13 @@ def _omp_wait_settings() -> str:
     return f"{policy} (GOMP_SPINCOUNT={spin})" if spin else policy
 
 
+def _malloc_settings() -> str:
+    """glibc's malloc settings this process runs with (scaling.keep_freed_memory), for the run's tags."""
+    keys = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    settings = [f"{key}={os.environ[key]}" for key in keys if key in os.environ]
+    return " ".join(settings) or "glibc defaults"
+
+
 def _grad_norm(parameters: list[nn.Parameter], clip: float | None) -> float:
     """Global gradient norm (clipping to ``clip`` if set); inf/NaN when a gradient is not finite."""
     grads = [p for p in parameters if p.grad is not None]
@@ -592,6 +599,7 @@ class WorkerLoop:
             # what the workers actually run with (Ray and the environment can differ)
             "dmltrain.torch_threads": str(torch.get_num_threads()),
             "dmltrain.omp_wait_policy": _omp_wait_settings(),
+            "dmltrain.malloc": _malloc_settings(),
             "dmltrain.worker_niceness": str(os.nice(0)),
             "dmltrain.loader_priority": self.stream.worker_priority,
         }

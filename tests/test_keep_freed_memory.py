@@ -1,0 +1,53 @@
+"""scaling.keep_freed_memory holds in a real process: with the workers' malloc settings a training thread
+(Ray Train runs the loop in one) reuses the memory its tensors free instead of faulting fresh pages in."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dmltrain.service.run import KEEP_FREED_MEMORY_ENV
+
+# A step's pattern in a thread: a large activation (64 MB, beyond a thread arena's heap), smaller ones
+# freed in between, all freed at the end; then the minor page faults a repeat of it costs.
+_THREAD_STEPS = """
+import resource, threading, torch
+def steps(out):
+    def step():
+        big = torch.ones(16 << 20)
+        mid = torch.ones(4 << 20)
+        del big
+        small = torch.ones(2 << 20)
+        del mid, small
+    for _ in range(3):
+        step()
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        step()
+    out.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / 10)
+out = []
+thread = threading.Thread(target=steps, args=(out,))
+thread.start()
+thread.join()
+print(out[0])
+"""
+
+
+def _faults_per_step(env: dict[str, str]) -> float:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    command = [sys.executable, "-c", _THREAD_STEPS]
+    out = subprocess.run(command, env={**clean, **env}, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
+def test_a_training_thread_reuses_freed_memory() -> None:
+    # glibc's defaults: the 64 MB block is a fresh mmap every step, 16,384 pages faulted in (about 19,700
+    # measured with the smaller blocks); with the settings the step reuses the heap (about 3,300 measured).
+    default = _faults_per_step({})
+    kept = _faults_per_step(KEEP_FREED_MEMORY_ENV)
+    assert default > 16_000, f"glibc defaults: {default:.0f} faults a step; expected a fresh 64 MB mmap"
+    assert kept < default / 3, f"with {KEEP_FREED_MEMORY_ENV}: {kept:.0f} faults a step against {default:.0f}"
