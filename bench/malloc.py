@@ -37,25 +37,28 @@ VARIANTS = [("main", False), ("main", True), ("thread", False), ("thread", True)
 
 def _child(where: str, steps: int) -> None:
     """One block in this process: warm-up, then ``steps`` timed steps; prints its figures as JSON."""
-    import torch
-    from service import _bare_step
-
-    from dmltrain.service.config import load_config
-
-    torch.set_num_threads(2)
-    config = load_config(CONFIG, [])
-    batch = config.train.global_batch_size
-    gen = torch.Generator().manual_seed(0)
-    side = config.data.image_size
-    shape = (batch, 3, side, side)
-    batches = [
-        (torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen), torch.arange(batch) // 4)
-        for _ in range(4)
-    ]
-    step = _bare_step(config, batches, ddp=False, fused=True)
     result: dict[str, float] = {}
 
     def block() -> None:
+        # Everything torch does happens here: an OpenMP team started by the main thread as well would put
+        # 4 threads on GNU OpenMP's books for 2 CPUs, and it then spins 100 times instead of
+        # GOMP_SPINCOUNT before sleeping (about 800 sleeps a step instead of 30): a penalty Ray Train's
+        # training thread does not pay, as its process's main thread runs no torch.
+        import torch
+        from service import _bare_step
+
+        from dmltrain.service.config import load_config
+
+        torch.set_num_threads(2)
+        config = load_config(CONFIG, [])
+        batch, side = config.train.global_batch_size, config.data.image_size
+        gen = torch.Generator().manual_seed(0)
+        shape = (batch, 3, side, side)
+        batches = [
+            (torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen), torch.arange(batch) // 4)
+            for _ in range(4)
+        ]
+        step = _bare_step(config, batches, ddp=False, fused=True)
         for i in range(3):
             step(i)
         before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()

@@ -385,8 +385,8 @@ class ScalingConfigSection(_Section):
         default="auto",
         description="glibc malloc in the workers keeps the memory a step frees for the next step instead "
         "of handing it back to the OS (MALLOC_ARENA_MAX=1, MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ "
-        "of 1 GiB): with glibc's defaults the quickstart's CPU step faulted about 15,000 fresh pages "
-        "(60 MB) back in every step, 37 ms of kernel time, and larger tensors in Ray Train's training "
+        "of 1 GiB): with glibc's defaults the quickstart's CPU step faulted about 14,000 fresh pages "
+        "(55 MB) back in every step, 31-38 ms of kernel time, and larger tensors in Ray Train's training "
         "thread are always fresh mmaps (bench/malloc.py). auto = on for CPU workers, glibc's defaults on "
         "GPU workers (their step's memory is the GPU's); other C libraries ignore the variables.",
     )
