@@ -23,12 +23,12 @@ def steps(out):
         del big
         small = torch.ones(2 << 20)
         del mid, small
-    for _ in range(3):
+    for _ in range(10):  # the heap settles within the first few steps (one growth of it, once)
         step()
     start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(10):
+    for _ in range(20):
         step()
-    out.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / 10)
+    out.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / 20)
 out = []
 thread = threading.Thread(target=steps, args=(out,))
 thread.start()
@@ -55,9 +55,10 @@ def _huge_pages_always() -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
 @pytest.mark.skipif(_huge_pages_always(), reason="transparent huge pages always on: 2 MB faults")
 def test_a_training_thread_reuses_freed_memory() -> None:
-    # glibc's defaults: the 64 MB block is a fresh mmap every step, 16,384 pages faulted in (about 19,700
-    # measured with the smaller blocks); with the settings the step reuses the heap (about 3,300 measured).
+    # glibc's defaults: the 64 MB block is a fresh mmap every step, 16,384 pages faulted in (about 18,400
+    # measured with the smaller blocks); with the settings the step reuses the heap (0 measured in 5 runs;
+    # without MALLOC_ARENA_MAX the thread's arena still maps the 64 MB block afresh: about 16,500).
     default = _faults_per_step({})
     kept = _faults_per_step(KEEP_FREED_MEMORY_ENV)
     assert default > 16_000, f"glibc defaults: {default:.0f} faults a step; expected a fresh 64 MB mmap"
-    assert kept < default / 3, f"with {KEEP_FREED_MEMORY_ENV}: {kept:.0f} faults a step against {default:.0f}"
+    assert kept < default / 4, f"with {KEEP_FREED_MEMORY_ENV}: {kept:.0f} faults a step against {default:.0f}"
