@@ -89,7 +89,7 @@ def _peak_rss_mb() -> float:
 
 
 def _run(where: str, kept: bool, steps: int, base_env: dict[str, str]) -> dict[str, float]:
-    from dmltrain.service.run import KEEP_FREED_MEMORY_ENV
+    from dmltrain.service.config import KEEP_FREED_MEMORY_ENV
 
     env = {**base_env, **(KEEP_FREED_MEMORY_ENV if kept else {})}
     out = subprocess.run(

@@ -400,9 +400,11 @@ def run_service(
     """`python -m dmltrain.run` in a fresh process; its figures as MLflow recorded them."""
     from mlflow.tracking import MlflowClient
 
+    from dmltrain.service.config import KEEP_FREED_MEMORY_ENV
+
     env = {
         # the workers get the malloc settings from the service (scaling.keep_freed_memory), Ray's daemons not
-        **{key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")},
+        **{key: value for key, value in os.environ.items() if key not in KEEP_FREED_MEMORY_ENV},
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # loopback only, single node
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -524,8 +526,8 @@ def _bench(args: argparse.Namespace, workdir: Path) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
     from dmltrain.data import ensure_glyphs
-    from dmltrain.service.config import flatten, load_config, to_yaml
-    from dmltrain.service.run import KEEP_FREED_MEMORY_ENV, OMP_WAIT_KEYS, worker_env_vars
+    from dmltrain.service.config import KEEP_FREED_MEMORY_ENV, flatten, load_config, to_yaml
+    from dmltrain.service.run import OMP_WAIT_KEYS, worker_env_vars
     from dmltrain.service.tracking import start_or_resume_run
 
     workdir.mkdir(parents=True, exist_ok=True)

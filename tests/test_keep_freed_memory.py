@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dmltrain.service.run import KEEP_FREED_MEMORY_ENV
+from dmltrain.service.config import KEEP_FREED_MEMORY_ENV
 
 # A step's pattern in a thread: a large activation (64 MB, beyond a thread arena's heap), smaller ones
 # freed in between, all freed at the end; then the minor page faults a repeat of it costs.

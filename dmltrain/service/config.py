@@ -571,6 +571,18 @@ def _describe_errors(error: ValidationError, source: str) -> str:
 
 # How the driver passes its resolution of data.loader_priority=auto to the workers (it knows the topology).
 LOADER_PRIORITY_ENV = "DMLTRAIN_LOADER_PRIORITY"
+
+# What scaling.keep_freed_memory puts in the workers' environment (the worker tags what it got): glibc malloc
+# keeps what a step frees. One arena, because Ray Train runs the training function in a thread, and a
+# thread's own arena cannot hold a block beyond its 64 MB heaps (those are fresh mmaps, faulted in page by
+# page every step); thresholds of 1 GiB, because glibc's dynamic mmap threshold stops at 32 MB and its trim
+# threshold hands the top of the heap back after each step.
+KEEP_FREED_MEMORY_ENV: dict[str, str] = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+}
+
 _NO_INPUT = object()
 _UNION_TAGS = {"fastap", "smoothap", "rll", "triplet"}
 

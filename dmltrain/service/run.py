@@ -40,7 +40,13 @@ from dmltrain.service.cluster import (
     resolve_use_gpu,
     storage_problems,
 )
-from dmltrain.service.config import LOADER_PRIORITY_ENV, ConfigError, ExperimentConfig, flatten
+from dmltrain.service.config import (
+    KEEP_FREED_MEMORY_ENV,
+    LOADER_PRIORITY_ENV,
+    ConfigError,
+    ExperimentConfig,
+    flatten,
+)
 from dmltrain.service.errors import FatalRunError, fatal_cause
 from dmltrain.service.logs import full_tracebacks, print_problems
 from dmltrain.service.preflight import check_config, check_data, check_outputs, load_data
@@ -108,15 +114,6 @@ OMP_WAIT_ENV: dict[str | None, dict[str, str]] = {
     "active": {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000000000"},
 }
 OMP_WAIT_KEYS = frozenset(key for env in OMP_WAIT_ENV.values() for key in env)
-# scaling.keep_freed_memory: glibc malloc keeps what a step frees. One arena, because Ray Train runs the
-# training function in a thread, and a thread's own arena cannot hold a block beyond its 64 MB heaps (those
-# are fresh mmaps, faulted in page by page every step); thresholds of 1 GiB, because glibc's dynamic mmap
-# threshold stops at 32 MB and its trim threshold hands the top of the heap back after each step.
-KEEP_FREED_MEMORY_ENV: dict[str, str] = {
-    "MALLOC_ARENA_MAX": "1",
-    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
-}
 
 
 def worker_env_vars(

@@ -58,7 +58,7 @@ from dmltrain.service.checkpoints import (
     save_stream_state,
     staging_directory,
 )
-from dmltrain.service.config import LOADER_PRIORITY_ENV, ExperimentConfig
+from dmltrain.service.config import KEEP_FREED_MEMORY_ENV, LOADER_PRIORITY_ENV, ExperimentConfig
 from dmltrain.service.distributed_eval import EvalImageCache, evaluate
 from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
 from dmltrain.service.logs import WORKER_LOGGERS, setup_logging, shorten_explained_errors
@@ -226,8 +226,7 @@ def _omp_wait_settings() -> str:
 
 def _malloc_settings() -> str:
     """glibc's malloc settings this process runs with (scaling.keep_freed_memory), for the run's tags."""
-    keys = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-    settings = [f"{key}={os.environ[key]}" for key in keys if key in os.environ]
+    settings = [f"{key}={os.environ[key]}" for key in KEEP_FREED_MEMORY_ENV if key in os.environ]
     return " ".join(settings) or "glibc defaults"
 
 
