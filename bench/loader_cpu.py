@@ -5,9 +5,11 @@
 On 2 cores the loader process takes turns with the training step's threads (bench/service.py, part 1:
 "service step + live data"), so its CPU per batch is what the service pays for data. One process, 0 loader
 workers, 1 torch thread (as in a DataLoader worker), the quickstart's TrainLoader on the bundled glyphs
-(64 px grey PNGs, 32 px crops, global batch 128); three variants in interleaved rounds, each timing
+(64 px grey PNGs, 32 px crops, global batch 128); four variants in interleaved rounds, each timing
 `next_batch` (tar reading, P x K sampling, decode, augment, the batch tensor):
-  shipped          grey sources stay one channel through the crop and resize; crop draws and CPU resizes
+  cached           `uncached` with the shard cache (`data.cache_mb`, on in the service) after its first pass:
+                   no tar read, no PNG decode, only the crop draws, resizes and the batch tensor
+  uncached         grey sources stay one channel through the crop and resize; crop draws and CPU resizes
                    without torchvision's per-call dispatch (the same draws and pixels)
   rgb first        the same, but every image converted to RGB before the transform
   before           RGB first, crops drawn by torchvision's RandomResizedCrop.make_params and resized by
@@ -80,21 +82,27 @@ def main() -> None:
     data = Path(args.data) if args.data else Path(ensure_glyphs(Path("data") / "glyphs"))
     spec = SamplerSpec.from_config({"name": "pk", "samples_per_class": 4})
     crop = {"size": 32, "scale": (0.5, 1.0), "flip": False}  # the quickstart's data settings
-    variants: dict[str, tuple[Callable[[], TrainAugment], bool]] = {
-        "shipped": (lambda: train_transform(**crop), False),
-        "rgb first": (lambda: train_transform(**crop), True),
-        "before": (lambda: TorchvisionAugment(**crop), True),
+    # name: (transform, RGB first, cache MB)
+    variants: dict[str, tuple[Callable[[], TrainAugment], bool, int]] = {
+        "cached": (lambda: train_transform(**crop), False, 1024),
+        "uncached": (lambda: train_transform(**crop), False, 0),
+        "rgb first": (lambda: train_transform(**crop), True, 0),
+        "before": (lambda: TorchvisionAugment(**crop), True, 0),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         first: torch.Tensor | None = None
-        for name, (make, rgb) in variants.items():
-            loader = TrainLoader(data, 128, spec, num_workers=0, transform=make(), rank=0, world_size=1)
+        for name, (make, rgb, cache_mb) in variants.items():
+            loader = TrainLoader(
+                data, 128, spec, num_workers=0, transform=make(), rank=0, world_size=1, cache_mb=cache_mb
+            )
             with rgb_first(rgb):
                 images = loader.next_batch()[0]
                 if first is None:
                     first = images
-                assert torch.equal(images, first), f"{name}: not the same batch as the shipped path"
+                assert torch.equal(images, first), f"{name}: not the same batch as the cached path"
+                for _ in range(loader.steps_per_epoch if cache_mb else 0):  # the pass that fills the cache
+                    loader.next_batch()
                 start = time.perf_counter()
                 for _ in range(args.batches):
                     loader.next_batch()

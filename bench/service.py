@@ -26,8 +26,9 @@ auto = 0 on one CPU node adds nothing to it); "+ data" loaders run under the con
   bare, no sync       each of 2 processes the same on its half batch, no communication: the layout alone
   bare DDP            the same under DistributedDataParallel (local loss, gradient all-reduce over gloo)
   service step        the real WorkerLoop._train_step (engine: exact global-batch loss and gradient, DDP as
-                      Ray wraps it, update, schedule) on replayed batches; "+ data" with its live TrainLoader,
-                      and (1x2) once more with the loader at normal priority
+                      Ray wraps it, update, schedule) on replayed batches; "+ data" with its live TrainLoader
+                      (after the pass that fills its shard cache, data.cache_mb), and (1x2) once more with
+                      the loader at normal priority
 Part 2, the real service: `python -m dmltrain.run CONFIG` with the same settings (Ray workers, MLflow in a
 sqlite store under the work dir, evaluation and checkpoints on the config's cadence), per layout. Read
 back from MLflow: train/images_per_second (steady state: every log window after the first), the loop's
@@ -215,6 +216,11 @@ def _service_step(
         loop.logger = None
     if not live:
         loop.stream = _Replay(batches)
+    elif config.data.cache_mb:
+        # The pass that fills the loader's shard cache, as the service's first pass does: the blocks then
+        # time the steady state of the rest of a run (part 2's runs include their first pass).
+        for _ in range(loop.stream.steps_per_epoch):
+            loop.stream.next_batch()
 
     def step(i: int) -> dict[str, float]:
         s = loop._train_step()

@@ -164,6 +164,9 @@ def test_worker_environment_keys(tmp_path: Path) -> None:
         load_config(path, ["scaling.worker_niceness=-5"])
     with pytest.raises(ConfigError, match=r"data\.loader_priority"):
         load_config(path, ["data.loader_priority=low"])
+    assert load_config(path).data.cache_mb == 1024
+    with pytest.raises(ConfigError, match=r"data\.cache_mb"):
+        load_config(path, ["data.cache_mb=-1"])
     for policy, expected in [
         ("passive", {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}),
         ("active", {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000000000"}),

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from dmltrain.data.cache import ShardCache
 from dmltrain.data.device_decode import DecodeMode, DeviceDecoder, EncodedPart, encode_part, resolve_decode
 from dmltrain.data.errors import SampleError, unusable_sample
 from dmltrain.data.metadata import DatasetInfo, load_dataset_info
@@ -69,15 +70,25 @@ STATE_VERSION = 2
 DECODE_BLOCK = 32
 
 
-def collate(samples: list[Sample], transform: Transform) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate(
+    samples: list[Sample], transform: Transform, cache: ShardCache | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode and transform ``samples`` into one batch. With ``cache`` and a `TrainAugment`, each image is
+    decoded and prepared once and kept there while the cache is on (its random part never writes to its
+    input; another transform might, so it gets a fresh decode every time)."""
     images = []
     keep_grey = treats_channels_alike(transform)  # grey sources: one channel through the transform
+    augment = transform if cache is not None and isinstance(transform, TrainAugment) else None
     for start in range(0, len(samples), DECODE_BLOCK):
         block = samples[start : start + DECODE_BLOCK]
-        decoded = [_decode(sample, keep_grey) for sample in block]
+        if augment is None:
+            decoded = [_decode(sample, keep_grey) for sample in block]
+        else:
+            assert cache is not None
+            decoded = [_prepared(sample, keep_grey, cache, augment) for sample in block]
         for sample, image in zip(block, decoded, strict=True):
             try:
-                images.append(as_rgb(transform(image)))
+                images.append(as_rgb(transform(image) if augment is None else augment.augment(image)))
             except Exception as exc:
                 raise unusable_sample(sample, exc) from exc
     try:
@@ -116,6 +127,19 @@ def _decode(sample: Sample, keep_grey: bool) -> torch.Tensor:
         raise unusable_sample(sample, exc) from exc
 
 
+def _prepared(sample: Sample, keep_grey: bool, cache: ShardCache, augment: TrainAugment) -> Tensor:
+    """``sample``'s decoded and prepared image from ``cache``, or made and kept there."""
+    image = cache.image(sample)
+    if image is None:
+        image = _decode(sample, keep_grey)
+        try:
+            image = augment.prepare(image)
+        except Exception as exc:
+            raise unusable_sample(sample, exc) from exc
+        cache.keep_image(sample, image)
+    return image
+
+
 def _as_is(item: Any) -> Any:
     """DataLoader collate_fn: batches are built in the worker; the default would walk the sampler state."""
     return item
@@ -132,21 +156,27 @@ class TrainStream(IterableDataset):
         transform: Transform,
         worker_states: dict[int, dict[str, Any]],
         decode: str = "cpu",
+        cache_bytes: int = 0,
     ) -> None:
         """decode: "cpu" decodes and augments each part here; "gpu" draws the augmentation and ships the
-        part encoded (`transform` must then be a `TrainAugment`)."""
+        part encoded (`transform` must then be a `TrainAugment`). cache_bytes: each worker's `ShardCache`
+        (0: none)."""
         super().__init__()
         self.urls, self.plan, self.rank, self.transform = urls, plan, rank, transform
         self.worker_states = worker_states
         self.decode = decode
+        self.cache_bytes = cache_bytes
 
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
         consumer = self.rank * self.plan.workers + worker
         seed = self.plan.spec.seed
-        shard_ids = self.plan.holdings[consumer].shards
-        stream = GroupStream(self.urls, shard_ids, seed, consumer, self.plan.shard_samples)
+        held = self.plan.holdings[consumer]
+        cache = None
+        if self.cache_bytes > 0:
+            cache = ShardCache(self.cache_bytes, held.images, self.plan.name(consumer))
+        stream = GroupStream(self.urls, held.shards, seed, consumer, self.plan.shard_samples, cache)
         batcher = self._batcher(stream, consumer)
         step = 0
         state = self.worker_states.get(worker)
@@ -168,7 +198,7 @@ class TrainStream(IterableDataset):
                         assert isinstance(self.transform, TrainAugment)
                         part = encode_part(samples, self.transform)
                     else:
-                        part = collate(samples, self.transform)
+                        part = collate(samples, self.transform, cache)
             step += 1
             state = {"step": step, "stream": stream.state_dict(), "batcher": batcher.state_dict()}
             yield part, [s.key for s in samples], worker, step - 1, state
@@ -289,7 +319,9 @@ class TrainLoader:
     Both give the same crops for a seed, and the same loader state. `decode_batch` images are decoded
     per device call (it bounds the memory full-size decoded images take on the device).
     worker_priority="idle" runs the loader processes under SCHED_IDLE (`run_when_idle`): for CPU training,
-    where they share the step's cores. The batches are the same either way.
+    where they share the step's cores. cache_mb: memory the loader workers together may keep their shards
+    in after the first pass, read and (decoding on the CPU) decoded, each its equal share, when all of its
+    shards fit (`dmltrain.data.cache`); 0 = off. The batches are the same whatever these two are.
     """
 
     def __init__(
@@ -315,10 +347,13 @@ class TrainLoader:
         device: torch.device | str | None = None,
         decode_batch: int = 512,
         worker_priority: WorkerPriority = "normal",
+        cache_mb: int = 0,
     ) -> None:
         self.spec = sampler if isinstance(sampler, SamplerSpec) else SamplerSpec.from_config(sampler or {})
         if batch_size < 2:
             raise ValueError(f"local batch size must be >= 2, got {batch_size}")
+        if cache_mb < 0:
+            raise ValueError(f"cache_mb must be >= 0, got {cache_mb}")
         self.root = str(root)
         self.info = info or load_dataset_info(root)
         self.split = split
@@ -343,6 +378,7 @@ class TrainLoader:
         if worker_priority not in ("normal", "idle"):
             raise ValueError(f"worker_priority must be 'normal' or 'idle', got {worker_priority!r}")
         self.worker_priority = worker_priority
+        self.cache_mb = cache_mb
         self.plan = TrainPlan(
             self.info, split, self.spec, batch_size, self.world_size, self.workers, where=self.root
         )
@@ -398,7 +434,13 @@ class TrainLoader:
 
     def _dataloader(self) -> DataLoader:
         dataset = TrainStream(
-            self.urls, self.plan, self.rank, self.transform, dict(self._worker_states), self.decode
+            self.urls,
+            self.plan,
+            self.rank,
+            self.transform,
+            dict(self._worker_states),
+            self.decode,
+            (self.cache_mb << 20) // self.workers,
         )
         extra: dict[str, Any] = {}
         if self.num_workers > 0:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from dmltrain.data.cache import ShardCache
 from dmltrain.data.shards import Sample, read_shard
 
 
@@ -78,11 +79,14 @@ class GroupStream:
         seed: int,
         consumer: int,
         counts: list[int] | None = None,
+        cache: ShardCache | None = None,
     ) -> None:
+        """``cache``: shards read whole are kept there and replayed from memory on later passes."""
         if not shard_ids:
             raise ValueError(f"consumer {consumer} has no shard to read")
         self.urls = urls
         self.counts = counts  # samples per shard from dataset.json: a shard holding fewer is an error
+        self.cache = cache
         self.shard_ids = shard_ids
         self.seed = seed
         self.consumer = consumer
@@ -103,10 +107,7 @@ class GroupStream:
         empty_shards = 0
         while True:
             if self._reader is None:
-                shard = self.order(self.epoch)[self.pos]
-                self._reader = read_shard(
-                    self.urls[shard], shard=shard, skip=self.offset, expected=self._expected(shard)
-                )
+                self._reader = self._open(self.order(self.epoch)[self.pos])
                 self._pending = None
             samples: list[Sample] = []
             if self._pending is not None:
@@ -126,6 +127,25 @@ class GroupStream:
             empty_shards += 1
             if empty_shards > len(self.shard_ids):
                 raise ValueError(f"every shard of consumer {self.consumer} is empty: {self.shard_ids}")
+
+    def _open(self, shard: int) -> Iterator[Sample]:
+        """``shard``'s samples from ``self.offset`` on: from the cache, or read (and kept if read whole)."""
+        kept = self.cache.shard(shard) if self.cache is not None else None
+        if kept is not None:
+            return iter(kept[self.offset :])
+        reader = read_shard(self.urls[shard], shard=shard, skip=self.offset, expected=self._expected(shard))
+        if self.cache is not None and self.cache.enabled and self.offset == 0:
+            return self._recorded(shard, reader)
+        return reader
+
+    def _recorded(self, shard: int, reader: Iterator[Sample]) -> Iterator[Sample]:
+        """Pass ``reader`` through; once it has yielded the whole shard (its count checked), keep it."""
+        samples = []
+        for sample in reader:
+            samples.append(sample)
+            yield sample
+        assert self.cache is not None
+        self.cache.keep_shard(shard, samples)
 
     def _expected(self, shard: int) -> int | None:
         return self.counts[shard] if self.counts is not None else None

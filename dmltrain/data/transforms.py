@@ -221,10 +221,23 @@ class TrainAugment:
 
     def apply(self, image: torch.Tensor, params: CropFlip) -> torch.Tensor:
         """uint8 (C, H, W) on any device -> uint8 (C, size, size)."""
-        if self.warp is not None:
-            image = F.resize(image, [self.warp, self.warp], interpolation=self.interpolation, antialias=True)
+        return self.crop_flip(self.prepare(image), params)
+
+    def prepare(self, image: torch.Tensor) -> torch.Tensor:
+        """The part of the transform that is the same at every pass: the warp to `resize` squared in warp
+        mode, else the image itself. A loader may keep its result (`dmltrain.data.cache`)."""
+        if self.warp is None:
+            return image
+        return F.resize(image, [self.warp, self.warp], interpolation=self.interpolation, antialias=True)
+
+    def augment(self, prepared: torch.Tensor) -> torch.Tensor:
+        """The random part on a `prepare`d image: ``self(image) == self.augment(self.prepare(image))``, with
+        the same draws. Never writes to ``prepared``."""
+        return self.crop_flip(prepared, self.draw(*prepared.shape[-2:]))
+
+    def crop_flip(self, prepared: torch.Tensor, params: CropFlip) -> torch.Tensor:
         top, left, height, width, flip = params
-        out = self._resized_crop(image, top, left, height, width)
+        out = self._resized_crop(prepared, top, left, height, width)
         return F.horizontal_flip(out) if flip else out
 
     def _resized_crop(
@@ -295,7 +308,7 @@ class TrainAugment:
         return batch.to(torch.uint8)
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        return self.apply(image, self.draw(*image.shape[-2:]))
+        return self.augment(self.prepare(image))
 
 
 # What `TrainAugment.resample_batch` runs with `interpolate` (torchvision's other modes are PIL-only).

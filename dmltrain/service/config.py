@@ -107,6 +107,14 @@ class DataConfig(_Section):
         "other threads: bench/service.py); normal = like any process; auto = idle for CPU training on a "
         "single node (with scaling.worker_niceness auto, the case measured), else normal.",
     )
+    cache_mb: int = Field(
+        default=1024,
+        ge=0,
+        description="Host memory (MB) each training worker's loader processes may keep their shards in after "
+        "the first pass, read and (decode cpu) decoded, split evenly between them: from the second pass on "
+        "no tar file is read and no image decoded again, only the crops and flips are new (the same "
+        "batches). Used by a loader process only when all of its shards fit its share; 0 = off.",
+    )
     decode: Literal["auto", "cpu", "gpu"] = Field(
         default="auto",
         description="Where training images are decoded and augmented: cpu = PIL in the loader workers; gpu = "

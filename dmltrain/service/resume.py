@@ -28,7 +28,8 @@ from dmltrain.service.tracking import ExistingRun
 
 # Keys a resumed run may change: length, cadence, fault tolerance and pure execution settings that leave the
 # trained model unchanged (chunk_size: the engine computes the same global-batch gradient whatever it is;
-# data.decode: the same samples, crops and flips, only the JPEG decoder differs).
+# data.decode: the same samples, crops and flips, only the JPEG decoder differs; data.cache_mb: the same
+# batches).
 RESUMABLE_KEYS = frozenset(
     {
         "train.steps",
@@ -52,6 +53,7 @@ RESUMABLE_KEYS = frozenset(
         "scaling.topology",
         "data.prepare",
         "data.decode",
+        "data.cache_mb",
         "mlflow.tracking_uri",
         "mlflow.log_checkpoints",
     }

@@ -290,12 +290,14 @@ class WorkerLoop:
             decode=_decode_mode(config.data.decode, self.device),
             device=self.device,
             worker_priority=_loader_priority(config.data.loader_priority, self.device),
+            cache_mb=config.data.cache_mb,
         )
         log.info(
-            "rank %d: training images decoded on %s, loader priority %s",
+            "rank %d: training images decoded on %s, loader priority %s, loader cache %d MB",
             self.rank,
             self.stream.decode_device or "the CPU",
             self.stream.worker_priority,
+            self.stream.cache_mb,
         )
         # On CUDA the next batch is read and pinned while the step runs (asynchronous chunk copies), unless
         # the loader already decodes it on the device one step ahead (data.decode=gpu with loader workers).
