@@ -3,8 +3,9 @@
 Public entry points (import from here):
 - `load_dataset_info(root) -> DatasetInfo` reads `dataset.json`;
 - `ensure_glyphs(out_dir) -> Path` builds the embedded glyph data set on first use;
-- `TrainLoader(root, batch_size, sampler, rank=..., world_size=..., decode="cpu"|"gpu"|"auto")` sampled
-  training batches, decoded in the loader workers or on the training GPU (`device_decode`);
+- `TrainLoader(root, batch_size, sampler, rank=..., world_size=..., decode="cpu"|"gpu"|"auto", cache_mb=0)`
+  sampled training batches, decoded in the loader workers or on the training GPU (`device_decode`); with
+  `cache_mb` the workers keep their shards, read and decoded, after the first pass (`cache`);
 - `check_batch(info, split, sampler, global_batch, world_size, loader_workers)` refuses a batch the data
   cannot fill (`BatchError`) from dataset.json alone, before any process starts;
 - `EvalLoader(root, split, batch_size, rank=..., world_size=...)` a rank's part of a split;
