@@ -153,5 +153,13 @@ def test_the_cache_turns_itself_off_when_the_shards_do_not_fit(caplog: pytest.Lo
     projected.keep_image(sample(0, PROJECT_AFTER), image.clone())
     assert not projected.enabled and projected.image(sample(0, 0)) is None
     assert "rank 1 worker 2" in caplog.text and "data.cache_mb" in caplog.text
+
+    # Decoding on the GPU keeps no decoded image: the shards read so far project alone.
+    encoded = ShardCache(budget_bytes=200_000, expected_images=PROJECT_AFTER * 10)
+    for shard in range(PROJECT_AFTER // 16 - 1):
+        encoded.keep_shard(shard, [sample(shard, m) for m in range(16)])
+    assert encoded.enabled and encoded.used_bytes < 200_000
+    encoded.keep_shard(99, [sample(99, m) for m in range(16)])  # 256 samples of 400 bytes: 1 MB for all
+    assert not encoded.enabled and encoded.shard(0) is None
     with pytest.raises(ValueError, match="cache_mb"):
         TrainLoader("unused", 16, cache_mb=-1, info=None)

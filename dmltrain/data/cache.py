@@ -22,7 +22,8 @@ from dmltrain.data.shards import Sample
 
 log = logging.getLogger(__name__)
 
-# Decoded images seen before the cache projects its final size from their mean (a few shards' worth).
+# Images kept before the cache projects its final size from their mean (a few shards' worth), once for the
+# shards read and once for the images decoded.
 PROJECT_AFTER = 256
 # Bytes a kept `Sample` costs beside its encoded image: the object and its key (sys.getsizeof on a glyph
 # sample: 96 + 63, the bytes object's header 33; longer keys take more).
@@ -53,9 +54,12 @@ class ShardCache:
         if self.enabled and shard not in self._shards:
             self._shards[shard] = samples
             size = sum(SAMPLE_OVERHEAD + len(s.data) + len(s.meta or b"") for s in samples)
+            crossed = self._shard_samples < PROJECT_AFTER <= self._shard_samples + len(samples)
             self._shard_samples += len(samples)
             self._shard_bytes += size
             self._grow(size)
+            if crossed:  # decoding on the GPU keeps no image here: the shards alone say whether they fit
+                self._project()
 
     def image(self, sample: Sample) -> torch.Tensor | None:
         """The decoded (and prepared) image of ``sample``, if kept."""
@@ -71,13 +75,18 @@ class ShardCache:
         size = image.untyped_storage().nbytes()
         self._image_bytes += size
         self._grow(size)
-        if self.enabled and len(self._images) == PROJECT_AFTER:
-            per_image = self._image_bytes / PROJECT_AFTER + self._shard_bytes / max(1, self._shard_samples)
-            projected = per_image * self.expected_images
-            if projected > self.budget_bytes:
-                self._turn_off(
-                    f"its {self.expected_images} images would take about {projected / 2**20:.0f} MB"
-                )
+        if len(self._images) == PROJECT_AFTER:
+            self._project()
+
+    def _project(self) -> None:
+        """Turn off now if the mean image so far says this worker's share will not fit."""
+        if not self.enabled:
+            return
+        per_image = self._image_bytes / max(1, len(self._images))
+        per_image += self._shard_bytes / max(1, self._shard_samples)
+        projected = per_image * self.expected_images
+        if projected > self.budget_bytes:
+            self._turn_off(f"its {self.expected_images} images would take about {projected / 2**20:.0f} MB")
 
     def _grow(self, size: int) -> None:
         self.used_bytes += size
