@@ -41,15 +41,16 @@ Interleaved (since 2026-11-27; the goal's figure in a full run, --quick uses the
 whose speed drifts by 10-30% within minutes, brackets a few minutes apart can disagree by more than the gap
 being measured. So during the service run, every 12 s the whole service (the driver and every process
 below it: Ray's daemons, the Train actors, the workers and their loader processes) is frozen with SIGSTOP
-while the bare loop runs one block of 8 steps, then let go (SIGCONT; 2-3 s frozen, well inside Ray's
-health-check timeouts). The service's rate is that of its log windows that no freeze touched (with 0.5 s
-of margin; steady state: not the first window), the bare loop's that of the blocks run between the
-service's first and last log: both sample the same minutes. Frozen time is taken out of the wall and loop
-times.
+while the bare loop runs one untimed step and a block of 8 steps, then let go (SIGCONT; 2-3 s frozen, well
+inside Ray's health-check timeouts). The service's rate is that of its log windows that no freeze touched
+(with 0.5 s of margin; steady state: not the first window), the bare loop's that of the blocks run between
+the service's first and last log: both sample the same minutes. Frozen time is taken out of the wall and
+loop times.
 
 Part 3, Ray's own share: the baseline bare loop run as a Ray Train worker (TorchTrainer, 1 worker x 2
 CPUs, a local Ray cluster with its daemons and Train actors), against the same loop in a plain process
-timed right before and after.
+timed right before and after; and (a full run) interleaved as in part 2: the loop in Ray for as many steps
+as the service ran, in its own process tree, timed in 8-step blocks, frozen every 12 s for a plain block.
 
 The breakdown then explains the service's time per step against the bare loop: process layout and gradient
 all-reduce from Part 1, engine collectives, data and the remaining per-step overhead from the service's own
@@ -63,6 +64,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -376,23 +378,29 @@ class _Group:
 
 
 def _bare_in_ray_train(spec: dict[str, Any]) -> None:
-    """Ray Train worker function: the baseline bare loop, timed as the brackets are."""
+    """Ray Train worker function: the baseline bare loop, timed in blocks of ``spec["block"]`` steps."""
     from dmltrain.service.config import load_config
 
     torch.set_num_threads(spec["threads"])
     step = _bare_step(load_config(spec["config"], spec["overrides"]), spec["batches"], ddp=False, fused=True)
     for i in range(3):  # warm-up, as the group processes had
         step(i)
-    t0 = time.perf_counter()
-    for i in range(spec["steps"]):
-        step(i)
-    # Ray Train reports metrics back only with a checkpoint: the figure goes through a file (same machine).
-    Path(spec["out"]).write_text(json.dumps((time.perf_counter() - t0) / spec["steps"]))
+    blocks = []
+    for _ in range(max(1, spec["steps"] // spec["block"])):
+        start, t0 = time.time(), time.perf_counter()
+        for i in range(spec["block"]):
+            step(i)
+        blocks.append((start, time.time(), (time.perf_counter() - t0) / spec["block"]))
+    # Ray Train reports metrics back only with a checkpoint: the figures go through a file (same machine).
+    Path(spec["out"]).write_text(json.dumps(blocks))
 
 
-def bare_in_ray_worker(spec: dict[str, Any], workdir: Path, env: dict[str, str]) -> float:
-    """Seconds per step of the bare loop as a Ray Train worker (TorchTrainer, 1 worker x 2 CPUs) on a
-    local Ray cluster started the way the service starts one: what Ray's processes alone cost the step."""
+def bare_in_ray_worker(
+    spec: dict[str, Any], workdir: Path, env: dict[str, str]
+) -> list[tuple[float, float, float]]:
+    """Blocks (from, to, seconds per step) of the bare loop as a Ray Train worker (TorchTrainer, 1 worker x
+    2 CPUs) on a local Ray cluster started the way the service starts one: what Ray's processes alone cost
+    the step."""
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -413,10 +421,55 @@ def bare_in_ray_worker(spec: dict[str, Any], workdir: Path, env: dict[str, str])
             ),
         )
         trainer.fit()
-        return float(json.loads(out.read_text()))
+        return [tuple(b) for b in json.loads(out.read_text())]
     finally:
         ray.shutdown()
         time.sleep(5)  # Ray's processes take a moment to exit; the bracket after must not time them
+
+
+def bare_in_ray_interleaved(
+    spec: dict[str, Any], workdir: Path, env: dict[str, str], interleave: Interleave
+) -> dict[str, float]:
+    """`bare_in_ray_worker` in a process of its own (the driver too is frozen with the rest), with plain
+    bare-loop blocks interleaved: Ray's blocks that no freeze touched against the plain blocks run between
+    its first and last block."""
+    from dmltrain.service.config import KEEP_FREED_MEMORY_ENV
+
+    spec_path = workdir / f"bare-in-ray-spec-{os.getpid()}.pt"
+    out = workdir / f"bare-in-ray-blocks-{os.getpid()}.json"
+    torch.save({"spec": spec, "workdir": str(workdir), "env": env, "out": str(out)}, spec_path)
+    command = [sys.executable, str(Path(__file__).resolve()), "--ray-part3", str(spec_path)]
+    child_env = {k: v for k, v in os.environ.items() if k not in KEEP_FREED_MEMORY_ENV}
+    log_path = workdir / f"bare-in-ray-{os.getpid()}.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)
+        try:
+            interleave.run_beside(proc)
+            returncode = proc.wait()
+        finally:
+            if proc.poll() is None:
+                _signal_all(_descendants(proc.pid), signal.SIGCONT)
+                proc.kill()
+    if returncode != 0:
+        raise RuntimeError(f"part 3 in Ray failed ({returncode}):\n{log_path.read_text()[-4000:]}")
+    blocks = [tuple(b) for b in json.loads(out.read_text())]
+    kept = [s for start, end, s in blocks if not _touched(start, end, interleave.blocks)]
+    first, last = blocks[0][0], blocks[-1][1]
+    plain = [s for f_start, f_end, s in interleave.blocks if first <= f_start and f_end <= last]
+    return {
+        "ray_s": statistics.mean(kept) if kept else float("nan"),
+        "plain_s": statistics.mean(plain) if plain else float("nan"),
+        "kept": len(kept),
+        "of": len(blocks),
+        "plain_blocks": len(plain),
+    }
+
+
+def _ray_part3_main(spec_path: str) -> None:
+    """``--ray-part3 SPEC``: `bare_in_ray_worker` for `bare_in_ray_interleaved`, in this process."""
+    saved = torch.load(spec_path, weights_only=False)
+    blocks = bare_in_ray_worker(saved["spec"], Path(saved["workdir"]), saved["env"])
+    Path(saved["out"]).write_text(json.dumps(blocks))
 
 
 def _descendants(pid: int) -> list[int]:
@@ -555,15 +608,21 @@ def run_service(
     return result
 
 
+def _touched(
+    start: float, end: float, freezes: list[tuple[float, float, float]], margin: float = 0.5
+) -> bool:
+    """Whether [start, end] (wall-clock seconds) overlaps a freeze, give or take ``margin``."""
+    return any(start - margin < f_end and f_start < end + margin for f_start, f_end, _ in freezes)
+
+
 def _interleaved(windows: list[Any], blocks: list[tuple[float, float, float]]) -> dict[str, float]:
     """Service windows (each from the previous window's log time to its own, steady state: not the first)
     that no freeze overlapped, with a margin, against the bare blocks run between its first and last log."""
-    margin = 0.5
     ends = [m.timestamp / 1000 for m in windows]
     kept = [
         m.value
         for m, start, end in zip(windows[1:], ends, ends[1:], strict=False)
-        if not any(start - margin < b_end and b_start < end + margin for b_start, b_end, _ in blocks)
+        if not _touched(start, end, blocks)
     ]
     inside = [s for b_start, b_end, s in blocks if ends and ends[0] <= b_start and b_end <= ends[-1]]
     service_ips = len(kept) / sum(1.0 / v for v in kept) if kept else float("nan")
@@ -619,6 +678,9 @@ def _median(values: list[float]) -> float:
 
 
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--ray-part3":  # part 3's own process (interleaved)
+        _ray_part3_main(sys.argv[2])
+        return
     args = _parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dmltrain-bench-service-")).resolve()
     _bench(args, workdir)
@@ -728,6 +790,13 @@ def _bench(args: argparse.Namespace, workdir: Path) -> None:
             (the mean, slow moments included), not the best of a few short blocks."""
             return groups["1x2"].run(part1_baseline, plan["bracket"])["seconds"]
 
+        def warm_block(steps: int) -> float:
+            """An interleaved block: one untimed step first. The bare loop's process sat idle while the
+            service ran (its caches cold, its pages perhaps reclaimed), as the service's windows right
+            after a freeze are, and those are left out."""
+            groups["1x2"].run(part1_baseline, 1)
+            return groups["1x2"].run(part1_baseline, steps)["seconds"]
+
         def best_block() -> float:
             """The brackets' earlier statistic, kept for comparison: the best of four short blocks."""
             return min(groups["1x2"].run(part1_baseline, plan["steps"])["seconds"] for _ in range(4))
@@ -736,6 +805,7 @@ def _bench(args: argparse.Namespace, workdir: Path) -> None:
         service: dict[str, dict[str, Any]] = {}
         brackets: dict[str, tuple[float, float]] = {}
         ray_only: tuple[float, float, float] | None = None
+        ray_interleaved: dict[str, float] | None = None
         best_blocks: dict[str, float] = {}
         layouts = [s for s in args.service_layouts.split(",") if s]
         for layout in layouts:
@@ -751,10 +821,7 @@ def _bench(args: argparse.Namespace, workdir: Path) -> None:
             interleave = None
             if plan["interleave"]:
                 every, block_steps = plan["interleave"]
-                interleave = Interleave(
-                    lambda: groups["1x2"].run(part1_baseline, block_steps)["seconds"],  # noqa: B023
-                    every,
-                )
+                interleave = Interleave(functools.partial(warm_block, block_steps), every)
             service[layout] = run_service(
                 Path(args.config),
                 overrides,
@@ -774,10 +841,19 @@ def _bench(args: argparse.Namespace, workdir: Path) -> None:
                 "batches": batches,
                 "threads": LAYOUTS["1x2"]["threads"],
                 "steps": plan["bracket"],
+                "block": plan["bracket"],
             }
             plain_before = bare_run()
-            in_ray = bare_in_ray_worker(ray_spec, workdir, worker_env)
+            in_ray = statistics.mean(b[2] for b in bare_in_ray_worker(ray_spec, workdir, worker_env))
             ray_only = (plain_before, in_ray, bare_run())
+            if plan["interleave"]:
+                every, block_steps = plan["interleave"]
+                ray_interleaved = bare_in_ray_interleaved(
+                    {**ray_spec, "steps": service_steps, "block": block_steps},
+                    workdir,
+                    worker_env,
+                    Interleave(functools.partial(warm_block, block_steps), every),
+                )
     finally:
         for g in groups.values():
             g.close()
@@ -855,6 +931,14 @@ def _bench(args: argparse.Namespace, workdir: Path) -> None:
                 f"as the service starts it), {plan['bracket']} steps: {batch / in_ray:.0f} img/s against "
                 f"{batch / plain_before:.0f} / {batch / plain_after:.0f} in a plain process before / after: "
                 f"{plain / in_ray:.2f}x, Ray's processes alone"
+            )
+        if ray_interleaved is not None:
+            r3 = ray_interleaved
+            print(
+                f"  interleaved, {service_steps} steps in Ray in blocks of {plan['interleave'][1]}: "
+                f"{batch / r3['ray_s']:.0f} img/s over the {r3['kept']} of its {r3['of']} blocks no freeze "
+                f"touched, against {batch / r3['plain_s']:.0f} img/s in {r3['plain_blocks']} plain blocks "
+                f"run while it was frozen: **{r3['plain_s'] / r3['ray_s']:.2f}x**"
             )
         how = "interleaved" if plan["interleave"] else "bracketed"
         print(f"\nBreakdown: the service's time per step against the bare loop's ({how})")
