@@ -441,21 +441,11 @@ def bare_in_ray_interleaved(
     command = [sys.executable, str(Path(__file__).resolve()), "--ray-part3", str(spec_path)]
     child_env = {k: v for k, v in os.environ.items() if k not in KEEP_FREED_MEMORY_ENV}
     log_path = workdir / f"bare-in-ray-{os.getpid()}.log"
-    with log_path.open("w") as log_file:
-        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)
-        try:
-            interleave.run_beside(proc)
-            returncode = proc.wait()
-        finally:
-            if proc.poll() is None:
-                _signal_all(_descendants(proc.pid), signal.SIGCONT)
-                proc.kill()
+    returncode = _run_logged(command, log_path, child_env, interleave)
     if returncode != 0:
         raise RuntimeError(f"part 3 in Ray failed ({returncode}):\n{log_path.read_text()[-4000:]}")
     blocks = [tuple(b) for b in json.loads(out.read_text())]
-    kept = [s for start, end, s in blocks if not _touched(start, end, interleave.blocks)]
-    first, last = blocks[0][0], blocks[-1][1]
-    plain = [s for f_start, f_end, s in interleave.blocks if first <= f_start and f_end <= last]
+    kept, plain = _split_by_freezes(blocks, interleave.blocks)
     return {
         "ray_s": statistics.mean(kept) if kept else float("nan"),
         "plain_s": statistics.mean(plain) if plain else float("nan"),
@@ -560,16 +550,7 @@ def run_service(
     ]
     log_path = workdir / f"{name}.log"
     t0 = time.perf_counter()
-    with log_path.open("w") as log_file:
-        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=workdir)
-        try:
-            if interleave is not None:
-                interleave.run_beside(proc)
-            returncode = proc.wait()
-        finally:
-            if proc.poll() is None:
-                _signal_all(_descendants(proc.pid), signal.SIGCONT)
-                proc.kill()
+    returncode = _run_logged(command, log_path, env, interleave, cwd=workdir)
     wall = time.perf_counter() - t0
     output = log_path.read_text()
     found = re.search(r"MLflow run (\w+)", output)
@@ -608,6 +589,40 @@ def run_service(
     return result
 
 
+def _run_logged(
+    command: list[str],
+    log_path: Path,
+    env: dict[str, str],
+    interleave: Interleave | None,
+    cwd: Path | None = None,
+) -> int:
+    """Run ``command`` with its output in ``log_path`` (and ``interleave`` beside it); its exit status.
+    Whatever happens here, no process of it is left frozen or running."""
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        try:
+            if interleave is not None:
+                interleave.run_beside(proc)
+            return proc.wait()
+        finally:
+            if proc.poll() is None:
+                _signal_all(_descendants(proc.pid), signal.SIGCONT)
+                proc.kill()
+
+
+def _split_by_freezes(
+    spans: list[tuple[float, float, float]], freezes: list[tuple[float, float, float]]
+) -> tuple[list[float], list[float]]:
+    """(values of the spans no freeze touched, values of the freezes' blocks that lie within the spans'
+    first start and last end): the two sides of an interleaved comparison."""
+    if not spans:
+        return [], []
+    kept = [value for start, end, value in spans if not _touched(start, end, freezes)]
+    first, last = spans[0][0], spans[-1][1]
+    inside = [value for start, end, value in freezes if first <= start and end <= last]
+    return kept, inside
+
+
 def _touched(
     start: float, end: float, freezes: list[tuple[float, float, float]], margin: float = 0.5
 ) -> bool:
@@ -619,12 +634,8 @@ def _interleaved(windows: list[Any], blocks: list[tuple[float, float, float]]) -
     """Service windows (each from the previous window's log time to its own, steady state: not the first)
     that no freeze overlapped, with a margin, against the bare blocks run between its first and last log."""
     ends = [m.timestamp / 1000 for m in windows]
-    kept = [
-        m.value
-        for m, start, end in zip(windows[1:], ends, ends[1:], strict=False)
-        if not _touched(start, end, blocks)
-    ]
-    inside = [s for b_start, b_end, s in blocks if ends and ends[0] <= b_start and b_end <= ends[-1]]
+    spans = [(start, end, m.value) for m, start, end in zip(windows[1:], ends, ends[1:], strict=False)]
+    kept, inside = _split_by_freezes(spans, blocks)
     service_ips = len(kept) / sum(1.0 / v for v in kept) if kept else float("nan")
     bare_s = statistics.mean(inside) if inside else float("nan")
     return {
