@@ -25,6 +25,8 @@
 #   service-tests   only those two service runs
 #   data     bench/data.py --quick: nvJPEG decode + batched crops against the per-image crops and PIL
 #   service-cpu, service-gpu   the same with one data.decode: each fits one call with time to spare
+#   service-lean   both decodes without the profiles and the engine-beside-decoders rows (bench/gpu.py --lean):
+#            the goal's figures for both in one call (est. ~480 s on an H100)
 #   service  bench/gpu.py --parts service, decode=cpu then gpu: img/s, data wait, phases, vs the engine
 #            alone, beside the device decoder and beside PIL decoding processes; torch.profiler tables and
 #            traces of one step of each (profile-*/), GPU utilisation and `top` samples (load-*)
@@ -79,15 +81,18 @@ for step in "${steps[@]}"; do
     service-tests) run service-tests 300 python3 -m pytest -m "gpu and service" -rs -s -p no:cacheprovider \
       "${gpu_tests[@]}" ;;
     data) run data 120 python3 bench/data.py --quick --gpu-batch 128 ;;
-    service|service-cpu|service-gpu) sample_load "$out/load"
-      decodes=(cpu gpu) && [ "$step" != service ] && decodes=("${step#service-}")
-      run "$step" 520 python3 bench/gpu.py --parts service --service-decode "${decodes[@]}" \
+    service|service-cpu|service-gpu|service-lean) sample_load "$out/load"
+      decodes=(cpu gpu) lean=() && [ "$step" != service ] && [ "$step" != service-lean ] \
+        && decodes=("${step#service-}")
+      limit=520 && [ "$step" = service-lean ] && lean=(--lean) limit=570
+      run "$step" "$limit" python3 bench/gpu.py --parts service --service-decode "${decodes[@]}" "${lean[@]}" \
         --workdir /tmp/bench-gpu --json "$out/$step.json"
       kill "${samplers[@]}" 2>/dev/null
       cp -r /tmp/bench-gpu/service-decode-*.log /tmp/bench-gpu/profile-* "$out/" 2>/dev/null ;;
     engine) run engine 300 python3 bench/gpu.py --parts engine --engine-sizes 1024 8192 \
       --json "$out/engine.json" ;;
-    *) echo "unknown step $step (tests unit service-tests data service service-cpu service-gpu engine)"; exit 2 ;;
+    *) echo "unknown step $step (tests unit service-tests data service service-cpu service-gpu service-lean engine)"
+      exit 2 ;;
   esac
 done
 # The device tool returns at most 8 files: the summary, the machine, each step's log and JSON as they are,

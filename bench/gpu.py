@@ -527,6 +527,7 @@ def bench_service(
     workdir: Path,
     backend: str | None,
     decodes: tuple[str, ...] = ("cpu",),
+    lean: bool = False,
 ) -> list[Row]:
     from dmltrain.acceleration import resolve_precision
     from dmltrain.data import prepare
@@ -573,10 +574,11 @@ def bench_service(
             note,
         )
     ]
-    _profile_steps(step, device, workdir / "profile-engine")
-    if "cpu" in decodes or "auto" in decodes:
+    if not lean:
+        _profile_steps(step, device, workdir / "profile-engine")
+    if not lean and ("cpu" in decodes or "auto" in decodes):
         rows.append(_engine_beside_cpu_decoders(step, jpegs, plan, device, rounds, engine_rate))
-    if "gpu" in decodes or "auto" in decodes:
+    if not lean and ("gpu" in decodes or "auto" in decodes):
         rows.append(
             _engine_beside_the_decoder(
                 step, jpegs, plan, device, rounds, engine_rate, profile=workdir / "profile-engine-decoder"
@@ -589,7 +591,7 @@ def bench_service(
         rate = _fmt(row.images_per_second, ",.0f")
         print(f"  {row.case}: {rate} img/s, {_fmt(row.ratio, '.2f')}x", file=sys.stderr, flush=True)
     for decode in decodes:
-        rows.append(_service_run(plan, shards, workdir, device, decode, batch, engine_rate))
+        rows.append(_service_run(plan, shards, workdir, device, decode, batch, engine_rate, profile=not lean))
         row = rows[-1]  # now, in case a later run outlives the caller's time limit
         rate = _fmt(row.images_per_second, ",.0f")
         print(f"  {row.case}: {rate} img/s; {row.note}", file=sys.stderr, flush=True)
@@ -752,11 +754,12 @@ def _service_run(
     decode: str,
     batch: int,
     engine_rate: float | None,
+    profile: bool = True,
 ) -> Row:
-    """One `python -m dmltrain.run` with data.decode=`decode`; its row (or the failure's last lines). The
-    run also records one step after the measured ones with torch.profiler: its operator table goes to
-    stderr, and table and trace to `workdir`/profile-decode-`decode`/."""
-    config = _service_config(plan, shards, workdir, device.type == "cuda", decode, profile=True)
+    """One `python -m dmltrain.run` with data.decode=`decode`; its row (or the failure's last lines). With
+    `profile` the run also records one step after the measured ones with torch.profiler: its operator table
+    goes to stderr, and table and trace to `workdir`/profile-decode-`decode`/."""
+    config = _service_config(plan, shards, workdir, device.type == "cuda", decode, profile=profile)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started = time.perf_counter()
@@ -778,7 +781,8 @@ def _service_run(
             "service", f"dmltrain.run, data.decode={decode}", batch, note="failed: " + " | ".join(tail)[-600:]
         )
     metrics = _service_metrics(found.group(2), found.group(1), plan["service_steps"])
-    _fetch_profile(found.group(2), found.group(1), workdir / f"profile-decode-{decode}")
+    if profile:
+        _fetch_profile(found.group(2), found.group(1), workdir / f"profile-decode-{decode}")
     rate = metrics.get("train/images_per_second")
     peak = metrics.get("train/gpu_peak_memory_gb")
     tags = metrics["tags"]
@@ -923,6 +927,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["auto", "cpu", "gpu"],
         help="data.decode of the service runs, one run each (default: cpu then gpu on CUDA, cpu elsewhere)",
     )
+    parser.add_argument(
+        "--lean",
+        action="store_true",
+        help="service part without profiles and without the engine-beside-decoders rows (about 100 s less a "
+        "decode on an H100: both decodes fit one 10-minute call)",
+    )
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -965,7 +975,7 @@ def main(argv: list[str] | None = None) -> int:
         work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-gpu-"))
         work.mkdir(parents=True, exist_ok=True)
         decodes = args.service_decode or (["cpu", "gpu"] if cuda else ["cpu"])
-        rows += bench_service(plan, device, rounds, work, backend, tuple(decodes))
+        rows += bench_service(plan, device, rounds, work, backend, tuple(decodes), lean=args.lean)
     print()
     print_table(rows)
     if args.quick:
