@@ -1,4 +1,5 @@
-"""The worker loop's background batch reader: same batches, exact resume state, failures surface."""
+"""The worker loop's background batch reader: same batches, exact resume state, failures surface; and the
+loader's own pinned join, which replaces it when the loader reads ahead itself."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from dmltrain.data import SamplerSpec, TrainLoader
 from dmltrain.service.prefetch import BatchPrefetcher
 
 
-def _loader(root: Path, workers: int = 0) -> TrainLoader:
+def _loader(root: Path, workers: int = 0, **options) -> TrainLoader:
     spec = SamplerSpec(name="pk", samples_per_class=4, seed=5)
-    return TrainLoader(root, 16, spec, rank=0, world_size=1, num_workers=workers, image_size=16)
+    return TrainLoader(root, 16, spec, rank=0, world_size=1, num_workers=workers, image_size=16, **options)
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -78,3 +79,27 @@ def test_batches_are_pinned_on_cuda(glyphs_root: Path) -> None:
         assert images.is_pinned() and labels.is_pinned()
     finally:
         prefetcher.close()
+
+
+def test_the_loader_reads_ahead_itself_only_with_several_workers(glyphs_root: Path) -> None:
+    # The service adds its prefetch thread exactly when the loader has no join thread of its own.
+    assert [_loader(glyphs_root, n).joins_ahead for n in (0, 1, 2)] == [False, False, True]
+
+
+def test_pinning_without_cuda_is_refused_naming_the_option(glyphs_root: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: pinning works here (test_the_loader_joins_into_pinned_memory_on_cuda)")
+    with pytest.raises(ValueError, match="pin_memory=True .* needs CUDA"):
+        _loader(glyphs_root, 2, pin_memory=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host memory)")
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_loader_joins_into_pinned_memory_on_cuda(glyphs_root: Path, workers: int) -> None:
+    plain, pinned = _loader(glyphs_root, workers), _loader(glyphs_root, workers, pin_memory=True)
+    for _ in range(3):
+        batch = pinned.next_batch()
+        assert all(t.is_pinned() for t in batch)
+        assert _same(batch, plain.next_batch())
+    assert pinned.state_dict()["workers"] == plain.state_dict()["workers"]

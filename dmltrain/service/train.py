@@ -291,6 +291,7 @@ class WorkerLoop:
             device=self.device,
             worker_priority=_loader_priority(config.data.loader_priority, self.device),
             cache_mb=config.data.cache_mb,
+            pin_memory=self.device.type == "cuda",
         )
         log.info(
             "rank %d: training images decoded on %s, loader priority %s, loader cache %d MB",
@@ -299,10 +300,10 @@ class WorkerLoop:
             self.stream.worker_priority,
             self.stream.cache_mb,
         )
-        # On CUDA the next batch is read and pinned while the step runs (asynchronous chunk copies), unless
-        # the loader already decodes it on the device one step ahead (data.decode=gpu with loader workers).
-        ahead = self.stream.decode == "gpu" and config.data.loader_workers > 0
-        prefetch = self.device.type == "cuda" and not ahead
+        # On CUDA the next batch is read (into pinned memory: asynchronous chunk copies) while the step runs:
+        # by the loader's own join thread when it has one (several loader workers, or data.decode=gpu, which
+        # decodes on the device one step ahead), else by a prefetch thread here.
+        prefetch = self.device.type == "cuda" and not self.stream.joins_ahead
         self.batches = BatchPrefetcher(self.stream, pin=True) if prefetch else None
         self.autocast = self.precision.autocast_dtype
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.grad_scaling else None
