@@ -13,8 +13,10 @@
 # Later that day (one H100, 864 s held): `... 570` cut the service step at 520 s before its second run,
 # then `... 285 unit service-tests` (unit 119 s; the second service test was cut at its 147 s). The
 # service step now runs decode=cpu first (what the large-batch configs use) and one engine row fewer, but
-# both runs still need about 700 s: in a 15-minute session run `... 570 service-gpu`, then at once
-# `... 330 service-cpu` (the JPEGs stay in /tmp/bench-gpu while the machine is warm), then give it back.
+# both runs still need about 700 s. On 2026-11-27 (one H100, 828 s held in all): `... 585 service-lean`
+# (both decodes without profiles: 344 s), then at once `... 430 unit service-tests` (69 + 119 s), then two
+# profiled steps by resuming the bench's run (/tmp/bench-gpu stays while the machine is warm): the plan
+# for a 15-minute session. Give the machine back after the last call.
 # Earlier that day on one H200: service 249 s (decode=gpu only), unit 106 s, data 30 s, service-tests
 # 153 s, engine 71 s, and `bench/gpu.py --parts losses` 78 s.
 #
