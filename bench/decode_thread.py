@@ -93,6 +93,21 @@ def _run_case(step, crop, device: torch.device, seconds: float) -> tuple[float, 
     return steps / elapsed, crops / elapsed
 
 
+def interleaved(cases: dict, step, warm_ups: int, rounds: int, run_case) -> dict[str, list]:
+    """`run_case(beside)` for every case in turn, `rounds` times (load changes hit all cases alike), after
+    `warm_ups` training steps and calls of each case's thread work."""
+    for beside in cases.values():
+        for _ in range(warm_ups):
+            step()
+            if beside:
+                beside()
+    results: dict[str, list] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, beside in cases.items():
+            results[name].append(run_case(beside))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds of 1 s")
@@ -110,15 +125,8 @@ def main() -> None:
         "beside crops in Python": lambda: augment.resample_batch(images, params, off_the_gil=False),
         "beside crops in TorchScript": lambda: augment.resample_batch(images, params),
     }
-    for crop in cases.values():  # warm up, and TorchScript's profiling runs
-        for _ in range(3):
-            step()
-            if crop:
-                crop()
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, crop in cases.items():
-            results[name].append(_run_case(step, crop, device, seconds))
+    # the warm-up steps include TorchScript's profiling runs
+    results = interleaved(cases, step, 3, rounds, lambda crop: _run_case(step, crop, device, seconds))
     print(
         f"device {device}, torch {torch.__version__}, {args.images} images a crop call, {rounds} rounds of "
         f"{seconds:.0f} s (median)"

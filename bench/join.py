@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode_thread import _training_step  # bench/ is the script's directory
+from decode_thread import _training_step, interleaved  # bench/ is the script's directory
 
 from dmltrain.data.loader import _joined
 
@@ -98,15 +98,8 @@ def main() -> None:
         for i in range(args.parts)
     ]
     cases = {"training alone": None, **_joiners(parts, cuda)}
-    for join in cases.values():  # warm up: the caching host allocator's blocks, the first page faults
-        for _ in range(2):
-            step()
-            if join:
-                join()
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, join in cases.items():
-            results[name].append(_run_case(step, join, seconds, args.period))
+    # the warm-up fills the caching host allocator and faults the first pages in
+    results = interleaved(cases, step, 2, rounds, lambda join: _run_case(step, join, seconds, args.period))
     megabytes = sum(p.numel() for p in parts) / 1e6
     print(
         f"device {device}, torch {torch.__version__}, B={batch} at {args.size} px in {args.parts} parts "
