@@ -112,6 +112,41 @@ def check_data(config: ExperimentConfig, info: DatasetInfo) -> None:
         ) from None
 
 
+def short_pieces_note(config: ExperimentConfig, info: DatasetInfo) -> str | None:
+    """One line for the start of a `pk` run whose batch parts are not multiples of K, else None.
+
+    Each loader worker's part of a step is filled with pieces of at most K images of a class; a part that
+    is not a multiple of K ends with a shorter piece, so some classes enter every batch with fewer than K
+    images. It is legal (a class needs two), but not what sampler.samples_per_class asked for.
+    """
+    k = config.sampler.samples_per_class
+    if config.sampler.name != "pk":
+        return None
+    try:
+        plan = check_batch(
+            info,
+            config.data.train_split,
+            SamplerSpec.from_config(config.sampler),
+            config.train.global_batch_size,
+            config.scaling.num_workers,
+            config.data.loader_workers,
+            where=config.data.root,
+        )
+    except (BatchError, ValueError, KeyError):
+        return None  # check_data says what is wrong
+    parts = plan.parts or []
+    if all(p % k == 0 for p in parts):
+        return None
+    workers = config.scaling.num_workers
+    sizes = " and ".join(str(p) for p in sorted(set(parts)))
+    return (
+        f"sampler.samples_per_class={k}: train.global_batch_size={config.train.global_batch_size} is read in "
+        f"parts of {sizes} images (scaling.num_workers={workers} x "
+        f"data.loader_workers={config.data.loader_workers}), not all multiples of {k}, so some classes enter "
+        f"each batch with fewer than {k} images; a global batch that is a multiple of {k * workers} avoids it"
+    )
+
+
 # Tracking stores reached over the network, by scheme (SQLAlchemy's "postgresql+psycopg2" counts as
 # "postgresql"), with the port a URI without one means.
 _DEFAULT_PORTS = {

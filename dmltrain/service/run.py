@@ -49,7 +49,13 @@ from dmltrain.service.config import (
 )
 from dmltrain.service.errors import FatalRunError, fatal_cause
 from dmltrain.service.logs import full_tracebacks, print_problems
-from dmltrain.service.preflight import check_config, check_data, check_outputs, load_data
+from dmltrain.service.preflight import (
+    check_config,
+    check_data,
+    check_outputs,
+    load_data,
+    short_pieces_note,
+)
 from dmltrain.service.resume import plan_launch
 from dmltrain.service.tracking import (
     Segment,
@@ -325,9 +331,9 @@ def launch(
         if problems:
             raise ConfigError("\n".join(problems))
 
-    note = batchnorm_note(config)
-    if note:
-        log.warning(note)
+    for note in (batchnorm_note(config), short_pieces_note(config, info)):
+        if note:
+            log.warning(note)
 
     key = run_key(config.run.storage_path, config.run.name)
     existing = find_run(tracking_uri, config.mlflow.experiment, key)
