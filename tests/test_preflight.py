@@ -83,23 +83,28 @@ def test_data_errors_name_the_root_in_one_line(glyphs_root: Path, tmp_path: Path
     assert "smaller --shard-size" in _one_line_error(check_data, crowded, info)
 
 
+def _note(config: ExperimentConfig, info) -> str | None:
+    """The start-of-run note for `config`'s batch plan, as `launch` gets it from `check_data`."""
+    return short_pieces_note(config, check_data(config, info))
+
+
 def test_a_batch_in_parts_that_are_not_multiples_of_k_is_announced(glyphs_root: Path) -> None:
     base = [f"data.root={glyphs_root}", "data.prepare=null"]
     info = load_data(_config(*base))
-    assert short_pieces_note(_config(*base), info) is None  # the quickstart: parts of whole pieces
-    note = short_pieces_note(_config(*base, "train.global_batch_size=30", "data.loader_workers=2"), info)
+    assert _note(_config(*base), info) is None  # the quickstart: parts of whole pieces
+    note = _note(_config(*base, "train.global_batch_size=30", "data.loader_workers=2"), info)
     assert note == (
         "sampler.samples_per_class=4: train.global_batch_size=30 is read in parts of 14 and 16 images "
         "(scaling.num_workers=1 x data.loader_workers=2), not all multiples of 4, so some classes enter each "
         "batch with fewer than 4 images; a global batch that is a multiple of 4 avoids it"
     )
     two_ranks = _config(*base, "train.global_batch_size=36", "scaling.num_workers=2", "data.loader_workers=1")
-    ranks_note = short_pieces_note(two_ranks, info) or ""
+    ranks_note = _note(two_ranks, info) or ""
     assert "parts of 18 images" in ranks_note and ranks_note.endswith("multiple of 8 avoids it")
     whole = _config(*base, "train.global_batch_size=36", "scaling.num_workers=1")
-    assert short_pieces_note(whole, info) is None
+    assert _note(whole, info) is None
     random = _config(*base, "train.global_batch_size=30", "sampler.name=random")
-    assert short_pieces_note(random, info) is None
+    assert _note(random, info) is None
 
 
 def test_missing_or_cut_shards_are_found_before_any_worker(glyphs_root: Path, tmp_path: Path) -> None:

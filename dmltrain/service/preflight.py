@@ -28,6 +28,7 @@ from dmltrain.data import (
     load_dataset_info,
 )
 from dmltrain.data.metadata import METADATA_NAME
+from dmltrain.data.plan import TrainPlan
 from dmltrain.data.urls import is_local, local_path
 from dmltrain.models import MissingExtraError
 from dmltrain.service.best import resolve_best_metric
@@ -67,8 +68,9 @@ def load_data(config: ExperimentConfig) -> DatasetInfo:
         raise ConfigError(f"data.root={config.data.root}: {_one_line(error)}") from None
 
 
-def check_data(config: ExperimentConfig, info: DatasetInfo) -> None:
-    """The training split, the evaluations and the sampler's plan for every rank, from dataset.json."""
+def check_data(config: ExperimentConfig, info: DatasetInfo) -> TrainPlan:
+    """The training split, the evaluations and the sampler's plan for every rank, from dataset.json; returns
+    that plan."""
     split = config.data.train_split
     if split not in info.splits:
         raise ConfigError(
@@ -95,7 +97,7 @@ def check_data(config: ExperimentConfig, info: DatasetInfo) -> None:
     try:
         # Identical on every rank (workers build the same plan), so once here stands for all of them. A
         # batch the data cannot fill is one line that already names the keys, the numbers and the data.
-        check_batch(
+        return check_batch(
             info,
             split,
             SamplerSpec.from_config(config.sampler),
@@ -112,30 +114,17 @@ def check_data(config: ExperimentConfig, info: DatasetInfo) -> None:
         ) from None
 
 
-def short_pieces_note(config: ExperimentConfig, info: DatasetInfo) -> str | None:
-    """One line for the start of a `pk` run whose batch parts are not multiples of K, else None.
+def short_pieces_note(config: ExperimentConfig, plan: TrainPlan) -> str | None:
+    """One line for the start of a `pk` run whose batch parts (``plan``, from `check_data`) are not
+    multiples of K, else None.
 
     Each loader worker's part of a step is filled with pieces of at most K images of a class; a part that
     is not a multiple of K ends with a shorter piece, so some classes enter every batch with fewer than K
     images. It is legal (a class needs two), but not what sampler.samples_per_class asked for.
     """
     k = config.sampler.samples_per_class
-    if config.sampler.name != "pk":
-        return None
-    try:
-        plan = check_batch(
-            info,
-            config.data.train_split,
-            SamplerSpec.from_config(config.sampler),
-            config.train.global_batch_size,
-            config.scaling.num_workers,
-            config.data.loader_workers,
-            where=config.data.root,
-        )
-    except (BatchError, ValueError, KeyError):
-        return None  # check_data says what is wrong
     parts = plan.parts or []
-    if all(p % k == 0 for p in parts):
+    if config.sampler.name != "pk" or all(p % k == 0 for p in parts):
         return None
     workers = config.scaling.num_workers
     sizes = " and ".join(str(p) for p in sorted(set(parts)))

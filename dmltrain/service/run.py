@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dmltrain.data import DatasetInfo
+from dmltrain.data.plan import TrainPlan
 from dmltrain.service.checkpoints import count_ray_checkpoints
 from dmltrain.service.cluster import (
     ClusterView,
@@ -148,11 +149,11 @@ def worker_env_vars(
     return env
 
 
-def prepare_data(config: ExperimentConfig) -> DatasetInfo:
-    """Build the embedded data set if asked, then check the shards' metadata before any worker starts."""
+def prepare_data(config: ExperimentConfig) -> tuple[DatasetInfo, TrainPlan]:
+    """Build the embedded data set if asked, then check the shards' metadata before any worker starts;
+    returns it with the sampler's batch plan."""
     info = load_data(config)
-    check_data(config, info)
-    return info
+    return info, check_data(config, info)
 
 
 def batchnorm_note(config: ExperimentConfig) -> str | None:
@@ -325,13 +326,13 @@ def launch(
     topology = decide_topology(config.scaling.topology, view)
     config = resolve_paths(config)
     check_outputs(config, tracking_uri)
-    info = prepare_data(config)
+    info, batch_plan = prepare_data(config)
     if topology.multi_node:
         problems = check_shared_paths(config, view)
         if problems:
             raise ConfigError("\n".join(problems))
 
-    for note in (batchnorm_note(config), short_pieces_note(config, info)):
+    for note in (batchnorm_note(config), short_pieces_note(config, batch_plan)):
         if note:
             log.warning(note)
 
