@@ -16,6 +16,7 @@ from mlflow.tracking import MlflowClient
 from dmltrain.service.config import load_config
 from dmltrain.service.run import launch
 from dmltrain.service.serving.loading import load_embedding_model
+from dmltrain.service.serving.publish import publish_run_models
 
 pytestmark = pytest.mark.service
 
@@ -81,3 +82,22 @@ def test_best_checkpoint_early_stop_models_and_registry(
     assert version.run_id == outcome.mlflow_run_id
     registered = load_embedding_model("models:/quickstart-glyphs/1", uri)
     assert registered.step == 4
+
+    # A relaunch after a driver died while publishing publishes again, from the same checkpoints: the
+    # models logged before are kept (not logged twice), a model the death left PENDING is deleted, and
+    # no second version is registered.
+    from ray.train import Result
+
+    experiment = run.info.experiment_id
+    query = f"source_run_id = '{outcome.mlflow_run_id}'"
+    before = {m.model_id for m in client.search_logged_models([experiment], filter_string=query)}
+    assert len(before) == 2
+    cut_short = client.create_logged_model(experiment, name="best_model", source_run_id=outcome.mlflow_run_id)
+    relaunched = Result.from_path(tmp_path / "ray_results" / "best")  # the checkpoints a relaunch finds
+    again = publish_run_models(relaunched, config, uri, outcome.mlflow_run_id)
+    assert {name: uri for name, (uri, _step) in again.models.items()} == outcome.models
+    assert again.registered == outcome.registered
+    after = client.search_logged_models([experiment], filter_string=query)
+    assert {m.model_id for m in after} == before  # the PENDING one is gone
+    assert [str(v.version) for v in client.search_model_versions("name = 'quickstart-glyphs'")] == ["1"]
+    assert cut_short.model_id not in {m.model_id for m in after}

@@ -18,7 +18,7 @@ from dmltrain.service.best import SCORE_KEY, is_scored
 from dmltrain.service.builders import resolve_preprocessing
 from dmltrain.service.checkpoints import load_state
 from dmltrain.service.config import ExperimentConfig
-from dmltrain.service.serving.pyfunc import log_embedding_model
+from dmltrain.service.serving.pyfunc import STEP_PARAM, log_embedding_model
 from dmltrain.service.serving.uris import tracking_uri
 from dmltrain.service.serving.weights import WEIGHTS_FILE, save_weights
 
@@ -36,11 +36,40 @@ class Published:
     registered: str | None = None
 
 
+def _already_logged(tracking: str, run_id: str, name: str, step: int) -> str | None:
+    """The URI of a READY model ``name`` that this run already logged from step ``step``, if any.
+
+    A relaunch of a run whose driver died while publishing (SIGKILL, a lost head node) trains no further
+    step and publishes again: without this it would log every model a second time, and register the
+    final one as a new version. Models such a death left PENDING (their upload cut short) are deleted, so
+    neither the UI nor ``runs:/<run_id>/<name>`` offers a half-written model."""
+    import mlflow
+    from mlflow.entities import LoggedModelStatus
+
+    client = mlflow.MlflowClient(tracking)
+    experiment = client.get_run(run_id).info.experiment_id
+    found = client.search_logged_models(
+        experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}' AND name = '{name}'"
+    )
+    ready = None
+    for model in found:
+        if model.status == LoggedModelStatus.PENDING:
+            client.delete_logged_model(model.model_id)
+            log.info("deleted %s (%s): left unfinished by an earlier publish", name, model.model_id)
+        elif model.status == LoggedModelStatus.READY and model.params.get(STEP_PARAM) == str(step):
+            ready = ready or model.model_uri
+    return ready
+
+
 def _log_checkpoint(
     checkpoint: Any, config: ExperimentConfig, tracking: str, run_id: str, name: str, tags: dict[str, str]
 ) -> tuple[str, int]:
     with checkpoint.as_directory() as directory, tempfile.TemporaryDirectory() as tmp:
         state = load_state(directory)
+        logged = _already_logged(tracking, run_id, name, state.step)
+        if logged is not None:
+            log.info("%s (step %d) was logged before, as %s: kept", name, state.step, logged)
+            return logged, state.step
         weights = save_weights(
             Path(tmp) / WEIGHTS_FILE,
             state.model,
@@ -76,8 +105,24 @@ def publish_run_models(result: Any, config: ExperimentConfig, tracking: str, run
         models[BEST_MODEL] = _log_checkpoint(checkpoint, config, tracking, run_id, BEST_MODEL, tags)
     registered = None
     if config.mlflow.register_as and FINAL_MODEL in models:
-        registered = register(tracking, run_id, config.mlflow.register_as, model_uri=models[FINAL_MODEL][0])
+        name, model_uri = config.mlflow.register_as, models[FINAL_MODEL][0]
+        registered = registered_version(tracking, run_id, name, model_uri) or register(
+            tracking, run_id, name, model_uri=model_uri
+        )
     return Published(models, registered)
+
+
+def registered_version(tracking: str, run_id: str, name: str, model_uri: str) -> str | None:
+    """The models:/ URI of a version of ``name`` that already holds ``model_uri`` (logged by ``run_id``):
+    a relaunch that publishes again registers nothing new."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking)
+    for version in client.search_model_versions(f"name = '{name}' AND run_id = '{run_id}'"):
+        if version.source == model_uri:
+            log.info("%s is already version %s of %s: kept", model_uri, version.version, name)
+            return f"models:/{name}/{version.version}"
+    return None
 
 
 def register(

@@ -26,6 +26,7 @@ from dmltrain.service.serving.uris import tracking_uri
 from dmltrain.service.serving.weights import WEIGHTS_FILE, load_weights
 
 WEIGHTS_ARTIFACT = "weights"
+STEP_PARAM = "dmltrain.step"  # the logged model's training step, a param of the LoggedModel
 _MODEL_CODE = Path(__file__).with_name("_model_code.py")
 # What the pyfunc imports at load time (module -> distribution), pinned to the versions it was logged with.
 _REQUIREMENTS = {
@@ -184,7 +185,7 @@ def log_embedding_model(
             name=name,
             source_run_id=run_id,
             tags=tags,
-            params={"dmltrain.step": str(step)},
+            params={STEP_PARAM: str(step)},
         )
         # mlflow.pyfunc.log_model logs to the active run only; Model.log (which it wraps) takes a run id.
         return Model.log(
