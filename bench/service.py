@@ -445,6 +445,7 @@ def bare_in_ray_interleaved(
     if returncode != 0:
         raise RuntimeError(f"part 3 in Ray failed ({returncode}):\n{log_path.read_text()[-4000:]}")
     blocks = [tuple(b) for b in json.loads(out.read_text())]
+    (workdir / f"bare-in-ray-plain-blocks-{os.getpid()}.json").write_text(json.dumps(interleave.blocks))
     kept, plain = _split_by_freezes(blocks, interleave.blocks)
     return {
         "ray_s": statistics.mean(kept) if kept else float("nan"),
@@ -578,6 +579,8 @@ def run_service(
         "recall": metrics.get("eval/test/recall_at_1", float("nan")),
     }
     if interleave is not None:
+        # kept beside the MLflow store, for reading a run window by window afterwards
+        (workdir / f"{name}-bare-blocks.json").write_text(json.dumps(interleave.blocks))
         result["interleaved"] = _interleaved(windows, interleave.blocks)
         # The windows a freeze touched count the frozen seconds as step time, and the wall and loop times
         # hold them too: the steady rate is the untouched windows', and the frozen time comes out.
