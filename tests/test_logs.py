@@ -6,8 +6,11 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
+
+from dmltrain.service.logs import progress_bar
 
 
 def test_faiss_loader_chatter_is_hidden_but_its_warnings_are_not() -> None:
@@ -74,3 +77,20 @@ def test_rays_token_auth_notice_is_dropped_and_auth_stays_on(tmp_path) -> None:
     assert "Token authentication is enabled for this Ray cluster" in runs["plain"].stderr
     assert "Token authentication is enabled" not in runs["setup"].stderr, runs["setup"].stderr
     assert "auth mode token" in runs["setup"].stdout
+
+
+def test_a_progress_bar_without_a_terminal_draws_its_first_and_last_lines_only(capsys) -> None:
+    # pytest captures stderr into a file: no terminal, as in a Ray worker (whose output Ray forwards line
+    # by line, so each redraw would reach the driver as a line of its own).
+    bar = progress_bar(10_000, "embed test")
+    for _ in range(100):  # 0.5 s: an ordinary bar (redrawn every 0.1 s at most) would draw about 6 lines
+        time.sleep(0.005)
+        bar.update(100)
+    bar.close()
+    drawn = [line for line in capsys.readouterr().err.replace("\r", "\n").split("\n") if line.strip()]
+    assert len(drawn) == 2, drawn
+    assert "0/10000" in drawn[0] and "10000/10000" in drawn[1]  # the last line stays
+    silent = progress_bar(10, "embed test", enabled=False)  # ranks other than 0
+    silent.update(10)
+    silent.close()
+    assert capsys.readouterr().err == ""

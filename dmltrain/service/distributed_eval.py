@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from dmltrain.data import DatasetInfo, EvalLoader
 from dmltrain.distributed import all_gather_objects, all_gather_sizes, all_gather_uneven, broadcast_object
@@ -27,6 +26,7 @@ from dmltrain.index import approximate_retrieval_metrics
 from dmltrain.inference import embed_batch
 from dmltrain.models import PreprocessConfig
 from dmltrain.service.builders import resolve_preprocessing
+from dmltrain.service.logs import progress_bar
 
 if TYPE_CHECKING:
     from dmltrain.service.config import ExperimentConfig
@@ -158,7 +158,7 @@ def embed_split(
     was_training = net.training
     net.eval()
     chunks, labels, thumbs = [], [], []
-    progress = tqdm(total=total, desc=f"embed {split}", unit="img", disable=rank != 0, leave=False)
+    progress = progress_bar(total, f"embed {split}", enabled=rank == 0)
     for images, batch_labels in batches:
         chunks.append(embed_batch(net, images, device, autocast_dtype, normalize))
         labels.append(batch_labels)
