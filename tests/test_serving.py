@@ -445,3 +445,27 @@ def test_checkpoint_scores_rank_checkpoints_as_the_tracker_does() -> None:
     low.update({"eval/test/map@r": 0.30}, 1)
     low.update({"eval/test/map@r": 0.295}, 2)
     assert low.checkpoint_score({"eval/test/map@r": 0.295}, 2) > 0.30  # lower by < min_delta: not better
+
+
+def test_logging_a_model_draws_no_download_bars(served: Served, tmp_path: Path) -> None:
+    # MLflow loads a logged model back to check its input example: a local "download" that drew two bars
+    # per model in every run's output (seen in a fresh process and store, as a run's driver has them).
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    code = textwrap.dedent(
+        f"""
+        import os
+        from mlflow.tracking import MlflowClient
+        from dmltrain.service.serving.pyfunc import log_embedding_model
+        from dmltrain.service.tracking import ensure_experiment
+        client = MlflowClient({uri!r})
+        run = client.create_run(ensure_experiment(client, {uri!r}, "quiet"))
+        log_embedding_model({uri!r}, run.info.run_id, "model", {str(served.weights)!r}, step=3)
+        assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ  # the process's setting is restored
+        """
+    )
+    drawn = ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "TQDM_DISABLE")  # conftest turns tqdm off for the suite
+    env = {k: v for k, v in os.environ.items() if k not in drawn}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Validating input example" in done.stderr  # the step that drew them ran
+    assert "Downloading artifacts" not in done.stderr

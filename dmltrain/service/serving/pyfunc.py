@@ -11,9 +11,12 @@ so it loads where dmltrain is not installed, e.g. under ``mlflow models serve``.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -154,6 +157,22 @@ def _package_copy(directory: Path) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _quiet_validation() -> Iterator[None]:
+    """Without MLflow's download bars: logging a model loads it back to check the input example, and each
+    such local "download" drew two bars in the run's output. A user's own MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR
+    is left as it is."""
+    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = "false"
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
 def log_embedding_model(
     tracking: str,
     run_id: str,
@@ -175,7 +194,7 @@ def log_embedding_model(
         (saved.get("preprocess") or {}).get("resize") or data_cfg.get("resize") or data_cfg.get("image_size")
     )
     example = pd.DataFrame({"image": [_example_png(int(side or 224))]})
-    with tempfile.TemporaryDirectory() as tmp, tracking_uri(tracking):
+    with tempfile.TemporaryDirectory() as tmp, tracking_uri(tracking), _quiet_validation():
         code = _package_copy(Path(tmp))
         # Created here because Model.log without an active run files the model under the default
         # experiment, where `runs:/<run_id>/<name>` (which searches the run's experiment) cannot find it.
