@@ -94,3 +94,22 @@ def test_a_progress_bar_without_a_terminal_draws_its_first_and_last_lines_only(c
     silent.update(10)
     silent.close()
     assert capsys.readouterr().err == ""
+
+
+def test_rays_line_per_report_is_dropped_in_workers_and_checkpoint_lines_stay() -> None:
+    pytest.importorskip("ray")
+    import importlib
+    import inspect
+    import logging
+
+    from dmltrain.service.logs import RAY_REPORT_MODULE, RAY_REPORT_NOTICE, quiet_ray_reports
+
+    module = importlib.import_module(RAY_REPORT_MODULE)
+    assert RAY_REPORT_NOTICE in inspect.getsource(module)  # Ray still logs it there: the filter is not dead
+    quiet_ray_reports()
+    quiet_ray_reports()  # once, however often asked
+    logger = logging.getLogger(module.__file__)
+    report = logger.makeRecord(logger.name, logging.INFO, "f", 1, f"{RAY_REPORT_NOTICE} 1: ...", (), None)
+    other = logger.makeRecord(logger.name, logging.INFO, "f", 1, "Checkpoint successfully created", (), None)
+    assert not logger.filter(report) and logger.filter(other)
+    assert len(logger.filters) == 1

@@ -13,6 +13,7 @@ warning that authentication is *off* is not.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -31,6 +32,10 @@ CONTROLLER_LOGGERS = (
     "ray.train.v2._internal.execution.controller.controller",
     "ray.train.v2._internal.execution.failure_handling.default",
 )
+# Ray Train logs every ray.train.report in the worker at INFO with the whole metrics dict: a long line per
+# checkpoint repeating what the run logs itself. Its logger is named after its file's path.
+RAY_REPORT_MODULE = "ray.train.v2._internal.execution.context"
+RAY_REPORT_NOTICE = "Reporting training result"
 FULL_TRACEBACKS_ENV = "DMLTRAIN_FULL_TRACEBACKS"  # =1: keep Ray's tracebacks of explained errors
 LOGGED_PROGRESS_SECONDS = 10.0  # a progress bar without a terminal redraws at most this often
 
@@ -71,6 +76,15 @@ def setup_logging(level: int = logging.INFO) -> None:
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(max(level, logging.WARNING))
     drop_notice(RAY_AUTH_LOGGER, RAY_AUTH_ON_NOTICE)
+
+
+def quiet_ray_reports() -> None:
+    """In a Ray Train worker: drop Ray's line per ``ray.train.report`` (checkpoints still log theirs)."""
+    try:
+        module = importlib.import_module(RAY_REPORT_MODULE)
+    except ImportError:  # another Ray layout: its lines stay
+        return
+    drop_notice(module.__file__ or RAY_REPORT_MODULE, RAY_REPORT_NOTICE)
 
 
 def drop_notice(logger: str, prefix: str) -> None:

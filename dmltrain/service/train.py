@@ -61,7 +61,7 @@ from dmltrain.service.checkpoints import (
 from dmltrain.service.config import KEEP_FREED_MEMORY_ENV, LOADER_PRIORITY_ENV, ExperimentConfig
 from dmltrain.service.distributed_eval import EvalImageCache, evaluate
 from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
-from dmltrain.service.logs import WORKER_LOGGERS, setup_logging, shorten_explained_errors
+from dmltrain.service.logs import WORKER_LOGGERS, quiet_ray_reports, setup_logging, shorten_explained_errors
 from dmltrain.service.memory import peak_rss_mb, reset_peak_rss
 from dmltrain.service.prefetch import BatchPrefetcher
 from dmltrain.service.profiling import StepProfiler
@@ -773,6 +773,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train.torch
 
     setup_logging()
+    quiet_ray_reports()
     context = ray.train.get_context()
     ray_ctx = _RayContext(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device())
     config = ExperimentConfig.model_validate(loop_config["config"])
