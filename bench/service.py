@@ -709,8 +709,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--data", help="prepared glyph shards (default: built under the work dir)")
     parser.add_argument(
         "--workdir",
-        help="where data, MLflow store, Ray results and run logs go, kept (default: a temporary folder, "
-        "removed after a run that completes: 350-440 MB)",
+        help="where data, MLflow store, Ray results, run logs and the interleaved blocks (JSON) go, kept "
+        "(default: a temporary folder, removed after a run that completes: 350-440 MB)",
     )
     parser.add_argument(
         "--service-layouts", default="2x1,1x2", help="layouts for part 2, comma-separated ('' = skip)"
