@@ -13,6 +13,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from dmltrain.service.checkpoints import checkpoint_dir_step
 from dmltrain.service.config import load_config
 from dmltrain.service.run import launch
 from dmltrain.service.serving.loading import load_embedding_model
@@ -65,9 +66,11 @@ def test_best_checkpoint_early_stop_models_and_registry(
         run.data.tags["dmltrain.early_stopped_at_step"] == "4" and run.data.tags["dmltrain.best_step"] == "2"
     )
     assert max(m.step for m in client.get_metric_history(outcome.mlflow_run_id, "train/loss")) == 4
-    # Ray kept the best (step 2) and the latest (step 4) only; the others were deleted as they aged.
-    kept = sorted(p for p in (tmp_path / "ray_results" / "best").glob("checkpoint_*") if p.is_dir())
-    assert len(kept) == 2, kept
+    # Ray kept the best (step 2) and the latest (step 4); the others were deleted as they aged, except that
+    # Ray never deletes a checkpoint whose report it is still handling when a newer one arrives (seen once
+    # on a loaded machine: three checkpoints kept).
+    kept = {checkpoint_dir_step(str(p)) for p in (tmp_path / "ray_results" / "best").glob("checkpoint_*")}
+    assert {2, 4} <= kept and len(kept) <= 3, kept  # of 4 checkpoints (steps 1-4), one or two deleted
     # No optimizer state went to MLflow by default: the run holds models, not checkpoints.
     assert not [a for a in client.list_artifacts(outcome.mlflow_run_id) if a.path == "checkpoints"]
     final = load_embedding_model(f"runs:/{outcome.mlflow_run_id}/model", uri)
