@@ -7,10 +7,13 @@ On 2 cores the loader process takes turns with the training step's threads (benc
 workers, 1 torch thread (as in a DataLoader worker), the quickstart's TrainLoader on the bundled glyphs
 (64 px grey PNGs, 32 px crops, global batch 128); four variants in interleaved rounds, each timing
 `next_batch` (tar reading, P x K sampling, decode, augment, the batch tensor):
-  cached           `uncached` with the shard cache (`data.cache_mb`, on in the service) after its first pass:
-                   no tar read, no PNG decode, only the crop draws, resizes and the batch tensor
-  uncached         grey sources stay one channel through the crop and resize; crop draws and CPU resizes
-                   without torchvision's per-call dispatch (the same draws and pixels)
+  cached           as the service runs it: the shard cache (`data.cache_mb`) after its first pass (no tar
+                   read, no PNG decode), each block's crop draws, crops and resizes in one compiled loop
+                   (`TrainAugment.augment_many`, since 2026-11-27), and the batch tensor
+  cached, one by one  the same, image by image in Python: the path until 2026-11-27
+  uncached         one by one, without the cache; grey sources stay one channel through the crop and resize;
+                   crop draws and CPU resizes without torchvision's per-call dispatch (the same draws and
+                   pixels)
   rgb first        the same, but every image converted to RGB before the transform
   before           RGB first, crops drawn by torchvision's RandomResizedCrop.make_params and resized by
                    `F.resized_crop`: the path before 2026-11-23
@@ -24,7 +27,7 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,7 +43,14 @@ from dmltrain.data import SamplerSpec, TrainAugment, TrainLoader, ensure_glyphs,
 from dmltrain.data.transforms import CropFlip  # noqa: E402
 
 
-class TorchvisionAugment(TrainAugment):
+class OneByOneAugment(TrainAugment):
+    """The path until 2026-11-27: every image's draws, crop and resize in Python, one image at a time."""
+
+    def augment_many(self, prepared: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [self.augment(image) for image in prepared]
+
+
+class TorchvisionAugment(OneByOneAugment):
     """The earlier TrainAugment: torchvision's make_params for the draw and F.resized_crop for the pixels."""
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -85,8 +95,9 @@ def main() -> None:
     # name: (transform, RGB first, cache MB)
     variants: dict[str, tuple[Callable[[], TrainAugment], bool, int]] = {
         "cached": (lambda: train_transform(**crop), False, 1024),
-        "uncached": (lambda: train_transform(**crop), False, 0),
-        "rgb first": (lambda: train_transform(**crop), True, 0),
+        "cached, one by one": (lambda: OneByOneAugment(**crop), False, 1024),
+        "uncached": (lambda: OneByOneAugment(**crop), False, 0),
+        "rgb first": (lambda: OneByOneAugment(**crop), True, 0),
         "before": (lambda: TorchvisionAugment(**crop), True, 0),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -114,7 +125,7 @@ def main() -> None:
     )
     for name, values in times.items():
         ms = statistics.median(values)
-        print(f"{name:<10} {ms:6.2f} ms   {base / ms:.2f}x the earlier path")
+        print(f"{name:<20} {ms:6.2f} ms   {base / ms:.2f}x the earlier path")
 
 
 if __name__ == "__main__":

@@ -86,11 +86,7 @@ def collate(
         else:
             assert cache is not None
             decoded = [_prepared(sample, keep_grey, cache, augment) for sample in block]
-        for sample, image in zip(block, decoded, strict=True):
-            try:
-                images.append(as_rgb(transform(image) if augment is None else augment.augment(image)))
-            except Exception as exc:
-                raise unusable_sample(sample, exc) from exc
+        images.extend(_transformed(block, decoded, transform, prepared=augment is not None))
     try:
         # default_collate stacks straight into shared memory inside a loader worker, which saves the copy
         # that sending an ordinary tensor to the main process would make.
@@ -103,6 +99,33 @@ def collate(
     labels = torch.tensor([s.cls for s in samples], dtype=torch.int64)
     categories = torch.tensor([s.category for s in samples], dtype=torch.int64)
     return batch, labels, categories
+
+
+def _transformed(
+    block: list[Sample], decoded: list[Tensor], transform: Transform, prepared: bool
+) -> list[Tensor]:
+    """A block's images transformed, as RGB; ``prepared``: `TrainAugment.prepare` was applied already (the
+    shard cache keeps them so). A `TrainAugment` takes the block in one call (`augment_many`, its compiled
+    loop); should that fail, the generator is put back and the images go one by one, so that the error
+    names the sample at fault. Either way the same draws in the same order: the same pixels."""
+    if isinstance(transform, TrainAugment):
+        state = torch.get_rng_state()
+        try:
+            inputs = decoded if prepared else [transform.prepare(image) for image in decoded]
+            return [as_rgb(image) for image in transform.augment_many(inputs)]
+        except Exception:
+            torch.set_rng_state(state)
+    out = []
+    for sample, image in zip(block, decoded, strict=True):
+        try:
+            if prepared:
+                assert isinstance(transform, TrainAugment)
+                out.append(as_rgb(transform.augment(image)))
+            else:
+                out.append(as_rgb(transform(image)))
+        except Exception as exc:
+            raise unusable_sample(sample, exc) from exc
+    return out
 
 
 def run_when_idle(_worker_id: int = 0) -> None:
