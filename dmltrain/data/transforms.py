@@ -238,9 +238,8 @@ class TrainAugment:
 
     def augment_many(self, prepared: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """`augment` of each image in turn, pixel for pixel and draw for draw. On the CPU's native path
-        (uint8, bilinear) in one compiled loop (`dmltrain.data.augment_loop`): about half the CPU a loader
-        spends on a batch of small images, where the Python around each image's draws and resize cost as
-        much as the resize."""
+        (uint8, bilinear) in one compiled loop (`dmltrain.data.augment_loop`): a third less of a loader's CPU
+        a batch of small images, where the Python around each image's draws and resize weighs most."""
         native = self.interpolation == InterpolationMode.BILINEAR and all(
             x.device.type == "cpu" and x.dtype == torch.uint8 and x.ndim == 3 for x in prepared
         )
