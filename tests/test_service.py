@@ -8,6 +8,7 @@ finishes without logging any step twice.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -124,6 +125,10 @@ def test_run_logs_then_resumes_into_the_same_mlflow_run(
     assert run.data.tags["dmltrain.torch_threads"] == "1"
     assert run.data.tags["dmltrain.worker_niceness"] == str(os.nice(0))
     assert run.data.tags["dmltrain.loader_priority"] == "idle"
+    # Ray's bookkeeping processes ran under SCHED_IDLE (scaling.ray_priority: auto): GCS, the agents, the
+    # Train controller and its helpers, the driver's Ray threads; none refused.
+    demoted = re.fullmatch(r"idle \((\d+) processes\)", run.data.tags["dmltrain.ray_priority"])
+    assert demoted and int(demoted.group(1)) >= 5, run.data.tags["dmltrain.ray_priority"]
     assert run.data.tags["dmltrain.malloc"].startswith("MALLOC_ARENA_MAX=1 ")  # keep_freed_memory: auto
     times = {k for k in run.data.metrics if k.startswith("time/")}
     assert {"time/step_seconds", "time/eval_seconds", "time/checkpoint_seconds", "time/loop_seconds"} <= times

@@ -407,6 +407,14 @@ class ScalingConfigSection(_Section):
         "Ray's default on GPU workers and across nodes (unmeasured there; one CI run of the 2-core "
         "multi-node test bed with workers at 0 failed to start a worker group); None = Ray's default.",
     )
+    ray_priority: Literal["auto", "idle", "normal"] = Field(
+        default="auto",
+        description="CPU priority of Ray's bookkeeping processes on the node (GCS, dashboard, log monitor, "
+        "agents, Ray Train's controller and helper actors; not raylet, the workers or the driver): idle = "
+        "Linux SCHED_IDLE, they use only cycles the training leaves idle and never preempt its threads "
+        "(each wakes about 100 times a second: bench/service.py, part 3); normal = as Ray starts them; "
+        "auto = idle for CPU training on a single node, else normal.",
+    )
     topology: Literal["auto", "single-node", "multi-node"] = Field(
         default="auto",
         description="auto: multi-node when Ray reports several nodes or the driver joined an existing "

@@ -50,6 +50,7 @@ RESUMABLE_KEYS = frozenset(
         "scaling.torch_threads",
         "scaling.omp_wait_policy",
         "scaling.keep_freed_memory",
+        "scaling.ray_priority",
         "scaling.topology",
         "data.prepare",
         "data.decode",

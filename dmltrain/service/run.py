@@ -57,6 +57,7 @@ from dmltrain.service.preflight import (
     load_data,
     short_pieces_note,
 )
+from dmltrain.service.ray_priority import keep_ray_in_background
 from dmltrain.service.resume import plan_launch
 from dmltrain.service.tracking import (
     Segment,
@@ -67,9 +68,12 @@ from dmltrain.service.tracking import (
     resolve_tracking_uri,
     run_key,
     set_run_status,
+    set_run_tag,
 )
 
 log = logging.getLogger("dmltrain.service.run")
+
+RAY_PRIORITY_TAG = "dmltrain.ray_priority"  # what scaling.ray_priority did (the driver sets it)
 
 # Loopback-only, no telemetry: sensible on a laptop and harmless on a cluster (setdefault keeps user values).
 _RAY_ENV_DEFAULTS = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0"}
@@ -123,6 +127,35 @@ OMP_WAIT_ENV: dict[str | None, dict[str, str]] = {
 OMP_WAIT_KEYS = frozenset(key for env in OMP_WAIT_ENV.values() for key in env)
 
 
+def _single_cpu_node(multi_node: bool, use_gpu: bool) -> bool:
+    """The case the `auto` priority settings were measured in (bench/service.py): CPU training, one node."""
+    return not (multi_node or use_gpu)
+
+
+def resolve_ray_priority(config: ExperimentConfig, multi_node: bool, use_gpu: bool) -> str:
+    """scaling.ray_priority as the driver applies it: idle or normal."""
+    setting = config.scaling.ray_priority
+    if setting == "auto":
+        return "idle" if _single_cpu_node(multi_node, use_gpu) else "normal"
+    return setting
+
+
+@contextlib.contextmanager
+def _ray_priority(priority: str, tracking_uri: str, run_id: str) -> Iterator[None]:
+    """Ray's bookkeeping processes under SCHED_IDLE while the run trains (dmltrain.service.ray_priority);
+    the MLflow tag ``dmltrain.ray_priority`` says what was done."""
+    if priority != "idle":
+        set_run_tag(tracking_uri, run_id, RAY_PRIORITY_TAG, priority)
+        yield
+        return
+    import ray
+
+    with keep_ray_in_background(ray.get_runtime_context().get_session_name()) as done:
+        yield
+    refused = f", {len(done.refused)} refused" if done.refused else ""
+    set_run_tag(tracking_uri, run_id, RAY_PRIORITY_TAG, f"idle ({len(done.processes)} processes{refused})")
+
+
 def worker_env_vars(
     config: ExperimentConfig, multi_node: bool = False, use_gpu: bool = False
 ) -> dict[str, str]:
@@ -136,7 +169,7 @@ def worker_env_vars(
     # The measured case: CPU training beside its loaders on one node. SCHED_IDLE loaders pay only with the
     # workers at niceness 0 (bench/service.py); elsewhere both stay as Ray and the OS have them (with idle
     # loaders on the 2-core multi-node test bed, two of four CI runs had a run outpace its node-loss test).
-    single_cpu_node = not (multi_node or use_gpu)
+    single_cpu_node = _single_cpu_node(multi_node, use_gpu)
     niceness = config.scaling.worker_niceness
     if niceness == "auto":
         niceness = 0 if single_cpu_node else None
@@ -411,9 +444,11 @@ def launch(
             worker_runtime_env={"env_vars": worker_env_vars(config, topology.multi_node, use_gpu)},
         ),
     )
+    ray_priority = resolve_ray_priority(config, topology.multi_node, use_gpu)
     with _run_status(tracking_uri, run_id):
         try:
-            result = _fit(trainer)
+            with _ray_priority(ray_priority, tracking_uri, run_id):
+                result = _fit(trainer)
         except Exception as error:
             fatal = fatal_cause(error)
             if fatal is not None:  # a config or data error a restart cannot fix: not retried, one line

@@ -262,6 +262,10 @@ def set_run_status(tracking_uri: str, run_id: str, status: str) -> None:
     MlflowClient(tracking_uri).set_terminated(run_id, status=status)
 
 
+def set_run_tag(tracking_uri: str, run_id: str, key: str, value: str) -> None:
+    MlflowClient(tracking_uri).set_tag(run_id, key, value)
+
+
 def finish_run(tracking_uri: str, run_id: str, success: bool) -> None:
     set_run_status(tracking_uri, run_id, "FINISHED" if success else "FAILED")
 

@@ -37,6 +37,11 @@ def run_trial(params: dict[str, Any], payloads: dict[str, dict[str, Any]]) -> No
 
     trial = payloads[params["trial"]]
     config = ExperimentConfig.model_validate(trial["config"])
+    if config.scaling.ray_priority == "auto":
+        # Trials start while others train on the same cores: Ray's bookkeeping processes under SCHED_IDLE
+        # would get next to no CPU for the next trial's start. auto keeps Ray's own priority in sweeps.
+        scaling = config.scaling.model_copy(update={"ray_priority": "normal"})
+        config = config.model_copy(update={"scaling": scaling})
     outcome = launch(
         config,
         tags=child_tags(trial["parent_run_id"], trial["sweep"], trial["label"]),
