@@ -48,7 +48,8 @@ the service's first and last log: both sample the same minutes. Frozen time is t
 loop times.
 
 Part 3, Ray's own share: the baseline bare loop run as a Ray Train worker (TorchTrainer, 1 worker x 2
-CPUs, a local Ray cluster with its daemons and Train actors), against the same loop in a plain process
+CPUs, a local Ray cluster with its daemons and Train actors, at the priority the service gives them:
+scaling.ray_priority, auto = SCHED_IDLE on one CPU node), against the same loop in a plain process
 timed right before and after; and (a full run) interleaved as in part 2: the loop in Ray for as many steps
 as the service ran, in its own process tree, timed in 8-step blocks, frozen every 12 s for a plain block.
 
@@ -408,7 +409,14 @@ def bare_in_ray_worker(
     out = workdir / f"bare-in-ray-{os.getpid()}.json"
     out.unlink(missing_ok=True)
     spec = {**spec, "out": str(out)}
+    from dmltrain.service.config import load_config
+    from dmltrain.service.ray_priority import keep_ray_in_background
+    from dmltrain.service.run import resolve_ray_priority
+
     ray.init(log_to_driver=False)
+    # Ray's bookkeeping processes at the priority the service gives them (scaling.ray_priority).
+    idle = resolve_ray_priority(load_config(spec["config"], spec["overrides"]), False, False) == "idle"
+    background = keep_ray_in_background(ray.get_runtime_context().get_session_name()) if idle else None
     try:
         trainer = TorchTrainer(
             _bare_in_ray_train,
@@ -420,7 +428,8 @@ def bare_in_ray_worker(
                 worker_runtime_env={"env_vars": env},  # as the service gives it (dmltrain.service.run)
             ),
         )
-        trainer.fit()
+        with background or contextlib.nullcontext():
+            trainer.fit()
         return [tuple(b) for b in json.loads(out.read_text())]
     finally:
         ray.shutdown()

@@ -88,7 +88,7 @@ _SCRIPT = textwrap.dedent(
 
     gcs, raylet = find("gcs_server"), find("raylet")
     chosen = bookkeeping_processes(session)
-    with keep_ray_in_background(session, every_s=0.2) as done:
+    with keep_ray_in_background(session, every_s=0.2, max_every_s=0.2) as done:
         time.sleep(0.5)
         inside = threading.Thread(target=time.sleep, args=(5,))  # as the driver's trainer.fit() thread
         inside.start()

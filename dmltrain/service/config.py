@@ -412,7 +412,7 @@ class ScalingConfigSection(_Section):
         description="CPU priority of Ray's bookkeeping processes on the node (GCS, dashboard, log monitor, "
         "agents, Ray Train's controller and helper actors; not raylet, the workers or the driver): idle = "
         "Linux SCHED_IDLE, they use only cycles the training leaves idle and never preempt its threads "
-        "(each wakes about 100 times a second: bench/service.py, part 3); normal = as Ray starts them; "
+        "(each wakes about 100 times a second: bench/ray_priority.py); normal = as Ray starts them; "
         "auto = idle for CPU training on a single node, else normal.",
     )
     topology: Literal["auto", "single-node", "multi-node"] = Field(

@@ -4,7 +4,7 @@ A CPU training step wants both of a small node's cores in short bursts (OpenMP r
 another). Ray's bookkeeping processes (GCS, dashboard, log monitor, the node's agents, Ray Train's controller
 and helper actors) take little CPU, but each wakes about 100 times a second, and a waking process at normal
 priority preempts a compute thread while the other waits at the next barrier. Under Linux ``SCHED_IDLE`` they
-run only in the cycles the training leaves idle and never preempt it (bench/service.py, part 3).
+run only in the cycles the training leaves idle and never preempt it (bench/ray_priority.py).
 
 The driver's threads that only wait on Ray go too, but not its main thread or the one that started the run.
 Left alone: raylet, because it starts the worker processes and a process started under ``SCHED_IDLE`` cannot
@@ -138,27 +138,32 @@ def demote(pids: list[int], done: Demotions, spare: frozenset[int] = frozenset()
 
 
 @contextmanager
-def keep_ray_in_background(session_name: str, every_s: float = 2.0) -> Iterator[Demotions]:
-    """While the block runs, put the session's bookkeeping processes under SCHED_IDLE, looking again every
-    ``every_s`` seconds (Ray Train starts its controller and helpers after the block starts). Lowering a
-    priority needs no privilege; Ray's processes stay demoted after the block (raising it back would)."""
+def keep_ray_in_background(
+    session_name: str, every_s: float = 1.0, max_every_s: float = 30.0
+) -> Iterator[Demotions]:
+    """While the block runs, put the session's bookkeeping processes under SCHED_IDLE, looking again after
+    ``every_s`` seconds, then twice as long each time up to ``max_every_s`` (Ray Train starts its controller
+    and helpers after the block starts; a look costs about 15 ms of a core). Lowering a priority needs no
+    privilege; Ray's processes stay demoted after the block (raising it back would)."""
     done = Demotions()
     if not hasattr(os, "SCHED_IDLE"):
         log.info("scaling.ray_priority=idle: this OS has no SCHED_IDLE; Ray's processes keep their priority")
         yield done
         return
     stop = threading.Event()
-    # This process (the driver) waits on Ray in threads of Ray's and its own: those go too, but not the
-    # main thread and the caller's, which go on after the block (publishing the models, a sweep's next step)
-    # and whose later threads inherit their priority.
-    own = frozenset({threading.main_thread().native_id or 0, threading.get_native_id()})
+    # This process (the driver) waits on Ray in threads of Ray's and its own: those go too (this one as
+    # well), but not the main thread and the caller's, which go on after the block (publishing the models,
+    # a sweep's next step) and whose later threads inherit their priority.
+    spare = frozenset({threading.main_thread().native_id or 0, threading.get_native_id()})
 
     def keep() -> None:
+        wait = every_s
         while True:
             demote(bookkeeping_processes(session_name), done)
-            demote([os.getpid()], done, spare=own | {threading.get_native_id()})
-            if stop.wait(every_s):
+            demote([os.getpid()], done, spare=spare)
+            if stop.wait(wait):
                 return
+            wait = min(2 * wait, max_every_s)
 
     thread = threading.Thread(target=keep, name="dmltrain-ray-priority", daemon=True)
     thread.start()

@@ -143,17 +143,25 @@ def resolve_ray_priority(config: ExperimentConfig, multi_node: bool, use_gpu: bo
 @contextlib.contextmanager
 def _ray_priority(priority: str, tracking_uri: str, run_id: str) -> Iterator[None]:
     """Ray's bookkeeping processes under SCHED_IDLE while the run trains (dmltrain.service.ray_priority);
-    the MLflow tag ``dmltrain.ray_priority`` says what was done."""
-    if priority != "idle":
-        set_run_tag(tracking_uri, run_id, RAY_PRIORITY_TAG, priority)
-        yield
-        return
-    import ray
+    the MLflow tag ``dmltrain.ray_priority`` says what was done, whatever the run's outcome."""
+    done = None
+    try:
+        if priority == "idle":
+            import ray
 
-    with keep_ray_in_background(ray.get_runtime_context().get_session_name()) as done:
-        yield
-    refused = f", {len(done.refused)} refused" if done.refused else ""
-    set_run_tag(tracking_uri, run_id, RAY_PRIORITY_TAG, f"idle ({len(done.processes)} processes{refused})")
+            with keep_ray_in_background(ray.get_runtime_context().get_session_name()) as done:
+                yield
+        else:
+            yield
+    finally:
+        value = priority
+        if done is not None:
+            refused = f", {len(done.refused)} refused" if done.refused else ""
+            value = f"idle ({len(done.processes)} processes{refused})"
+        try:
+            set_run_tag(tracking_uri, run_id, RAY_PRIORITY_TAG, value)
+        except Exception as exc:  # never hide the run's own outcome behind the tracking store's
+            log.warning("could not tag MLflow run %s with %s: %s", run_id, RAY_PRIORITY_TAG, exc)
 
 
 def worker_env_vars(
