@@ -474,20 +474,9 @@ def _ray_part3_main(spec_path: str) -> None:
 
 def _descendants(pid: int) -> list[int]:
     """``pid`` and every process below it (Ray's daemons, workers and loader processes of a service run)."""
-    children: dict[int, list[int]] = defaultdict(list)
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):  # exited meanwhile
-                continue
-            children[ppid].append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        todo += children.get(current, [])
-    return found
+    from dmltrain.service.processes import children_by_parent, subtree
+
+    return subtree(pid, children_by_parent())
 
 
 def _signal_all(pids: list[int], sig: int) -> None:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dmltrain.service.processes import children_by_parent, subtree
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +53,6 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def actor_class(cmdline: str) -> str | None:
     """``"ray::TrainController.run"`` -> ``"TrainController"``; None for a process that is not an actor."""
     if not cmdline.startswith("ray::"):
@@ -74,35 +68,20 @@ def bookkeeping_processes(session_name: str) -> list[int]:
     """This Ray session's bookkeeping processes on this machine: the session's daemons (the processes whose
     command line names the session, but raylet and the workers it starts) with the processes below them,
     and raylet's children that are bookkeeping actors, with theirs."""
-    children: dict[int, list[int]] = defaultdict(list)
-    commands: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            pid = int(entry.name)
-            parent = _parent(pid)
-            if parent is not None:
-                children[parent].append(pid)
-                commands[pid] = _cmdline(pid)
-
-    def subtree(root: int) -> list[int]:
-        found, todo = [], [root]
-        while todo:
-            current = todo.pop()
-            found.append(current)
-            todo += children.get(current, [])
-        return found
-
+    children = children_by_parent()
+    parents = {pid: parent for parent, pids in children.items() for pid in pids}
+    commands = {pid: _cmdline(pid) for pid in parents}
     session = {pid for pid, command in commands.items() if session_name in command}
     raylets = {pid for pid in session if _is_raylet(commands[pid])}
     chosen: list[int] = []
     for raylet in raylets:
         for child in children.get(raylet, []):
             if actor_class(commands.get(child, "")) in BOOKKEEPING_ACTORS:
-                chosen += subtree(child)
+                chosen += subtree(child, children)
     # A worker that has not yet set its title still names the session (and raylet is its parent).
     for pid in session - raylets:
-        if _parent(pid) not in raylets:
-            chosen += subtree(pid)
+        if parents[pid] not in raylets:
+            chosen += subtree(pid, children)
     return sorted(set(chosen))
 
 
