@@ -410,7 +410,8 @@ class ScalingConfigSection(_Section):
     ray_priority: Literal["auto", "idle", "normal"] = Field(
         default="auto",
         description="CPU priority of Ray's bookkeeping processes on the node (GCS, dashboard, log monitor, "
-        "agents, Ray Train's controller and helper actors; not raylet, the workers or the driver): idle = "
+        "agents, Ray Train's controller and helper actors, the driver's threads that wait on Ray; not "
+        "raylet, the training workers, Ray's idle workers or the driver's main thread): idle = "
         "Linux SCHED_IDLE, they use only cycles the training leaves idle and never preempt its threads "
         "(each wakes about 100 times a second: bench/ray_priority.py); normal = as Ray starts them; "
         "auto = idle for CPU training on a single node, else normal.",

@@ -138,8 +138,12 @@ def keep_ray_in_background(
     def keep() -> None:
         wait = every_s
         while True:
-            demote(bookkeeping_processes(session_name), done)
-            demote([os.getpid()], done, spare=spare)
+            try:
+                demote(bookkeeping_processes(session_name), done)
+                demote([os.getpid()], done, spare=spare)
+            except Exception as exc:  # a priority is never worth a run: say so once and stop looking
+                log.warning("scaling.ray_priority=idle: stopped lowering Ray's priority: %r", exc)
+                return
             if stop.wait(wait):
                 return
             wait = min(2 * wait, max_every_s)
