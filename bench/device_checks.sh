@@ -29,6 +29,9 @@
 #   service-cpu, service-gpu   the same with one data.decode: each fits one call with time to spare
 #   service-lean   both decodes without the profiles and the engine-beside-decoders rows (bench/gpu.py --lean):
 #            the goal's figures for both in one call (est. ~480 s on an H100)
+#   service-share  as service-lean with data.decode=gpu and data.host_decode_share=$SHARE (default 0.3), then
+#            data.decode=cpu: the two changes since 2026-11-27 not yet measured on a GPU (the loader workers
+#            decoding a share of the JPEGs; the join straight into pinned memory)
 #   service  bench/gpu.py --parts service, decode=cpu then gpu: img/s, data wait, phases, vs the engine
 #            alone, beside the device decoder and beside PIL decoding processes; torch.profiler tables and
 #            traces of one step of each (profile-*/), GPU utilisation and `top` samples (load-*)
@@ -43,6 +46,7 @@ steps=("$@")
 out=${OUT:-/tmp/device-checks}
 mkdir -p "$out" && : >"$out/summary.txt"
 export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+SHARE=${SHARE:-0.3}
 
 if ! python3 -c "import ray" 2>/dev/null && [ -x .device-pack/install.sh ]; then
   bash .device-pack/install.sh >"$out/install.log" 2>&1 || { echo "install failed: $out/install.log"; exit 1; }
@@ -83,17 +87,19 @@ for step in "${steps[@]}"; do
     service-tests) run service-tests 300 python3 -m pytest -m "gpu and service" -rs -s -p no:cacheprovider \
       "${gpu_tests[@]}" ;;
     data) run data 120 python3 bench/data.py --quick --gpu-batch 128 ;;
-    service|service-cpu|service-gpu|service-lean) sample_load "$out/load"
+    service|service-cpu|service-gpu|service-lean|service-share) sample_load "$out/load"
       decodes=(cpu gpu) lean=() && [ "$step" != service ] && [ "$step" != service-lean ] \
         && decodes=("${step#service-}")
-      limit=520 && [ "$step" = service-lean ] && lean=(--lean) limit=570
+      [ "$step" = service-share ] && decodes=("gpu:$SHARE" cpu)
+      limit=520 && [[ $step = service-lean || $step = service-share ]] && lean=(--lean) limit=570
       run "$step" "$limit" python3 bench/gpu.py --parts service --service-decode "${decodes[@]}" "${lean[@]}" \
         --workdir /tmp/bench-gpu --json "$out/$step.json"
       kill "${samplers[@]}" 2>/dev/null
       cp -r /tmp/bench-gpu/service-decode-*.log /tmp/bench-gpu/profile-* "$out/" 2>/dev/null ;;
     engine) run engine 300 python3 bench/gpu.py --parts engine --engine-sizes 1024 8192 \
       --json "$out/engine.json" ;;
-    *) echo "unknown step $step (tests unit service-tests data service service-cpu service-gpu service-lean engine)"
+    *) echo "unknown step $step (tests unit service-tests data service service-cpu service-gpu service-lean" \
+         "service-share engine)"
       exit 2 ;;
   esac
 done

@@ -5,6 +5,7 @@
     python bench/gpu.py --parts service --workdir /tmp/bench-gpu   # the generated JPEG set is kept there
     python bench/gpu.py --quick                      # tiny sizes; also runs on CPU: a smoke run of the paths
     python bench/gpu.py --parts service --service-decode gpu       # the service with one data.decode
+    python bench/gpu.py --parts service --service-decode gpu:0.3   # ... and data.host_decode_share=0.3
 
 Parts:
 - losses: forward+backward at B = 4,096-65,536 (D=512, 4 per class) of dmltrain's losses with the device's
@@ -24,8 +25,8 @@ Parts:
   their CPU load alone. Each service run also records one step after the measured ones with torch.profiler
   (train.profile_start) and prints the top of its operator table; table and trace land in
   WORKDIR/profile-decode-<decode>/, and one profiled step of the engine alone and beside the decoder in
-  WORKDIR/profile-engine*/. One run per --service-decode value (data.decode; default cpu then gpu on CUDA,
-  cpu elsewhere); the goals judge the fastest run.
+  WORKDIR/profile-engine*/. One run per --service-decode value (data.decode, with `:SHARE` its
+  data.host_decode_share; default cpu then gpu on CUDA, cpu elsewhere); the goals judge the fastest run.
 Ratios compare cases of the same run. GB = 10^9 bytes.
 """
 
@@ -414,6 +415,18 @@ def _worker_cpus() -> int:
     return max(1, min(8, (os.cpu_count() or 2) - 2))
 
 
+def _decode_setting(value: str) -> str:
+    """A --service-decode value: auto, cpu, gpu, or gpu:SHARE / auto:SHARE (data.host_decode_share)."""
+    mode, colon, share = value.partition(":")
+    try:
+        ok = mode in ("auto", "cpu", "gpu") and (not colon or (mode != "cpu" and 0 <= float(share) <= 1))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected auto, cpu, gpu or gpu:SHARE, 0 <= SHARE <= 1")
+    return value
+
+
 def _service_config(
     plan: dict, shards: Path, work: Path, use_gpu: bool, decode: str = "auto", profile: bool = False
 ) -> Path:
@@ -423,13 +436,15 @@ def _service_config(
 
     cpus = _worker_cpus()
     measured = plan["service_steps"]
+    mode, _, share = decode.partition(":")
     config = {
         "data": {
             "root": str(shards),
             "image_size": plan["engine_size"],
             "resize": plan["service_side"],
             "loader_workers": plan["loader_workers"],
-            "decode": decode,
+            "decode": mode,
+            "host_decode_share": float(share or 0),
         },
         "sampler": {"name": "pk", "samples_per_class": 4},
         "model": {"backbone": plan["engine_model"], "embedding_dim": 512, "weights": None, "freeze_bn": True},
@@ -576,9 +591,10 @@ def bench_service(
     ]
     if not lean:
         _profile_steps(step, device, workdir / "profile-engine")
-    if not lean and ("cpu" in decodes or "auto" in decodes):
+    modes = {decode.partition(":")[0] for decode in decodes}
+    if not lean and modes & {"cpu", "auto"}:
         rows.append(_engine_beside_cpu_decoders(step, jpegs, plan, device, rounds, engine_rate))
-    if not lean and ("gpu" in decodes or "auto" in decodes):
+    if not lean and modes & {"gpu", "auto"}:
         rows.append(
             _engine_beside_the_decoder(
                 step, jpegs, plan, device, rounds, engine_rate, profile=workdir / "profile-engine-decoder"
@@ -772,7 +788,8 @@ def _service_run(
         check=False,
     )
     wall = time.perf_counter() - started
-    log = workdir / f"service-decode-{decode}.log"  # for a failure or a slow window: the run's own words
+    name = decode.replace(":", "-share-")  # a file name the device tool brings back
+    log = workdir / f"service-decode-{name}.log"  # for a failure or a slow window: the run's own words
     log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     found = re.search(r"MLflow run (\w+) in (\S+?);", proc.stdout)
     if proc.returncode != 0 or not found:
@@ -782,7 +799,7 @@ def _service_run(
         )
     metrics = _service_metrics(found.group(2), found.group(1), plan["service_steps"])
     if profile:
-        _fetch_profile(found.group(2), found.group(1), workdir / f"profile-decode-{decode}")
+        _fetch_profile(found.group(2), found.group(1), workdir / f"profile-decode-{name}")
     rate = metrics.get("train/images_per_second")
     peak = metrics.get("train/gpu_peak_memory_gb")
     tags = metrics["tags"]
@@ -924,8 +941,9 @@ def main(argv: list[str] | None = None) -> int:
         "--service-decode",
         nargs="+",
         default=None,
-        choices=["auto", "cpu", "gpu"],
-        help="data.decode of the service runs, one run each (default: cpu then gpu on CUDA, cpu elsewhere)",
+        type=_decode_setting,
+        help="data.decode of the service runs, one run each, as auto, cpu, gpu or gpu:SHARE (with "
+        "data.host_decode_share=SHARE); default: cpu then gpu on CUDA, cpu elsewhere",
     )
     parser.add_argument(
         "--lean",

@@ -10,34 +10,46 @@ straight into page-locked memory from torch's caching host allocator, which hand
 step after step. This runs a training-like thread (as bench/decode_thread.py) alone and beside a thread
 that joins one batch each way every `--period` seconds (default 0.865 s: the engine's step at B=4,096 on
 an H100, so one batch a step as in the service), and prints the training rate against alone, and each
-joiner's ms a batch. On CUDA the two ways are the real ones (`.pin_memory()` after the cat, and the loader's
-`_joined`); on a CPU-only machine page-locked memory does not exist, so "pinned" is a buffer reused every
-step, which is what the caching allocator gives back: the host work is the same.
+joiner's ms a batch. On CUDA the two ways are the real ones (`.pin_memory()` after the cat, and the
+loader's `dmltrain.data.device_decode.joined`); on a CPU-only machine page-locked memory does not exist,
+so "pinned" is a buffer reused every step, which is what the caching allocator gives back: the host work
+is the same. The last two cases have the parts come as the service's do, from `--parts` DataLoader
+worker processes (under SCHED_IDLE, stacking precomputed images), read and joined into pinned memory by
+the loader's own `_read_step`: what the training process does for data in the service. "fresh shm" is
+the loader until 2026-11-27: every part a new shared-memory tensor (a file descriptor through a socket,
+unpickling, mapping and faulting in the pages, unmapping them after); "reused slots" is the loader now:
+each worker's buffers are mapped once and reused (`dmltrain.data.slots`).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from decode_thread import _training_step, interleaved  # bench/ is the script's directory
 
-from dmltrain.data.loader import _joined
+import dmltrain.data.loader as loader_module
+from dmltrain.data.device_decode import joined
+from dmltrain.data.loader import _as_is, _read_step, _Shipped, run_when_idle
+from dmltrain.data.slots import SlotReader, WorkerSlots, released_counter
 
 
 def _joiners(parts: list[torch.Tensor], cuda: bool) -> dict:
     if cuda:
         return {
             "join, then pin": lambda: torch.cat(parts).pin_memory(),
-            "join into pinned": lambda: _joined(parts, pin=True),
+            "join into pinned": lambda: joined(parts, pin=True),
         }
     reused = torch.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype)
     reused.fill_(0)
@@ -45,6 +57,68 @@ def _joiners(parts: list[torch.Tensor], cuda: bool) -> dict:
         "join, then pin": lambda: reused.copy_(torch.cat(parts)),
         "join into pinned": lambda: torch.cat(parts, out=reused),
     }
+
+
+class _WorkerParts(IterableDataset):
+    """Each DataLoader worker's part of every step, as `TrainStream` ships it (decoding aside): precomputed
+    images stacked into fresh shared memory by `default_collate` (the loader until 2026-11-27), or with a
+    `released` counter into the worker's reused shared buffers (`dmltrain.data.slots`, the loader now)."""
+
+    def __init__(self, shares: list[int], size: int, released: torch.Tensor | None) -> None:
+        super().__init__()
+        self.shares, self.size, self.released = shares, size, released
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        n = self.shares[worker]
+        images = list(torch.randint(0, 256, (n, 3, self.size, self.size), dtype=torch.uint8))
+        labels = torch.zeros(n, dtype=torch.int64)
+        # depth 3, as the loader's: prefetch_factor + 1
+        slots = WorkerSlots(3, self.released) if self.released is not None else None
+        for step in itertools.count():
+            if slots is None:
+                part = (default_collate(images), labels.clone(), labels.clone())
+            else:
+                out = slots.out(step, "images", (n, 3, self.size, self.size), torch.uint8)
+                part = _Shipped.of((torch.stack(images, out=out), labels, labels), slots, step)
+            yield part, [], worker, step, {"step": step + 1}
+
+
+def _received(parts: list[torch.Tensor], reused_slots: bool):
+    """A read of the next step's parts from DataLoader worker processes as the loader's join thread does
+    it (`_read_step`: received, joined into pinned memory), and the DataLoader."""
+    shares = [len(p) for p in parts]
+    released = released_counter(0) if reused_slots else None
+    with warnings.catch_warnings():  # more worker processes than cores, on purpose: as in the service
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        loader = DataLoader(
+            _WorkerParts(shares, parts[0].shape[-1], released),
+            batch_size=None,
+            num_workers=len(parts),
+            collate_fn=_as_is,
+            prefetch_factor=2,
+            worker_init_fn=run_when_idle,
+            persistent_workers=False,
+        )
+        iterator, steps = iter(loader), itertools.count()
+    slots = SlotReader(released) if released is not None else None
+    return (lambda: _read_step(iterator, len(parts), steps, True, slots)), loader
+
+
+def _pinned_as_reused_buffers() -> None:
+    """Without CUDA: the loader's joins into pinned memory write into buffers reused step after step
+    instead, which is what torch's caching host allocator hands back on CUDA (the same host work)."""
+    buffers: dict[tuple, torch.Tensor] = {}
+
+    def join(pieces, pin: bool = False, copy: bool = False) -> torch.Tensor:
+        shape = (sum(len(p) for p in pieces), *pieces[0].shape[1:])
+        key = (shape, pieces[0].dtype)
+        if key not in buffers:
+            buffers[key] = torch.zeros(shape, dtype=pieces[0].dtype)
+        return torch.cat(list(pieces), out=buffers[key])
+
+    loader_module.joined = join
 
 
 def _run_case(step, join, seconds: float, period: float) -> tuple[float, float]:
@@ -97,7 +171,16 @@ def main() -> None:
         torch.randint(0, 256, (min(share, batch - i * share), 3, args.size, args.size), dtype=torch.uint8)
         for i in range(args.parts)
     ]
-    cases = {"training alone": None, **_joiners(parts, cuda)}
+    if not cuda:
+        _pinned_as_reused_buffers()
+    fresh, _ = _received(parts, reused_slots=False)
+    reused, _ = _received(parts, reused_slots=True)
+    cases = {
+        "training alone": None,
+        **_joiners(parts, cuda),
+        "received, fresh shm": fresh,
+        "received, reused slots": reused,
+    }
     # the warm-up fills the caching host allocator and faults the first pages in
     results = interleaved(cases, step, 2, rounds, lambda join: _run_case(step, join, seconds, args.period))
     megabytes = sum(p.numel() for p in parts) / 1e6
@@ -107,11 +190,11 @@ def main() -> None:
         + ("" if cuda else "; no CUDA: 'pinned' is a reused buffer")
     )
     alone = statistics.median(r[0] for r in results["training alone"])
-    print(f"{'case':<24}{'train steps/s':>15}{'vs alone':>10}{'ms a batch':>12}")
+    print(f"{'case':<26}{'train steps/s':>15}{'vs alone':>10}{'ms a batch':>12}")
     for name, rows in results.items():
         rate = statistics.median(r[0] for r in rows)
         ms = statistics.median(r[1] for r in rows)
-        print(f"{name:<24}{rate:>15.1f}{rate / alone:>9.2f}x{(f'{ms:.0f}' if ms else '-'):>12}")
+        print(f"{name:<26}{rate:>15.1f}{rate / alone:>9.2f}x{(f'{ms:.0f}' if ms else '-'):>12}")
 
 
 if __name__ == "__main__":

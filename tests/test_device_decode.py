@@ -16,6 +16,7 @@ import logging
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +26,13 @@ from torchvision.transforms import v2
 
 from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info, train_transform
 from dmltrain.data.datasets.base import SourceDataset, SourceItem
-from dmltrain.data.device_decode import DeviceDecoder, EncodedPart, encode_part, resolve_decode
+from dmltrain.data.device_decode import (
+    DeviceDecoder,
+    EncodedPart,
+    encode_part,
+    on_the_host,
+    resolve_decode,
+)
 from dmltrain.data.metadata import Evaluation
 from dmltrain.data.prepare import prepare_dataset
 from dmltrain.data.shards import ShardEntry, read_shard, write_shard
@@ -106,7 +113,13 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def loader(
-    root: Path, decode: str, workers: int = 2, batch: int = 16, seed: int = 3, device: torch.device = CPU
+    root: Path,
+    decode: str,
+    workers: int = 2,
+    batch: int = 16,
+    seed: int = 3,
+    device: torch.device = CPU,
+    **options: Any,
 ) -> TrainLoader:
     """A 1-rank P x K loader at 32 px; decode="gpu" runs on `device` (the CPU unless a test says)."""
     return TrainLoader(
@@ -120,11 +133,12 @@ def loader(
         decode=decode,  # type: ignore[arg-type]
         device=device if decode == "gpu" else None,
         with_keys=True,
+        **options,
     )
 
 
-def batches(root: Path, decode: str, steps: int, workers: int = 2) -> list[tuple]:
-    source = loader(root, decode, workers)
+def batches(root: Path, decode: str, steps: int, workers: int = 2, **options: Any) -> list[tuple]:
+    source = loader(root, decode, workers, **options)
     try:
         return [source.next_batch() for _ in range(steps)]
     finally:
@@ -231,6 +245,35 @@ def test_gpu_mode_is_deterministic_and_resumes_exactly(jpegs: Path) -> None:
     other.load_state_dict(state)
     assert_close_batches([other.next_batch() for _ in range(3)], expected, max_diff=2, mean_diff=0.1)
     other.close()
+
+
+def test_a_host_share_of_the_jpegs_is_decoded_in_the_workers_with_the_same_crops(jpegs: Path) -> None:
+    """data.host_decode_share: that fraction of each part, spread evenly, decoded by PIL in the loader
+    worker; the batches are the device path's up to the decoders (identical on the CPU), deterministic,
+    and a run may change the share when it resumes (the loader state does not depend on it)."""
+    assert [on_the_host(i, 0.25) for i in range(8)] == [False, False, False, True] * 2
+    assert not any(on_the_host(i, 0.0) for i in range(8)) and all(on_the_host(i, 1.0) for i in range(8))
+    samples = list(read_shard(load_dataset_info(jpegs).shard_urls(jpegs, "train")[0]))
+    for share in (0.0, 0.25, 0.5, 1.0):
+        part = encode_part(samples, train_transform(32), share)
+        assert int((part.sizes == 0).sum()) == len(part.decoded) == int(len(samples) * share), share
+    with pytest.raises(ValueError, match=r"host_share must be in \[0, 1\], got 1.5"):
+        encode_part(samples, train_transform(32), 1.5)
+    with pytest.raises(ValueError, match=r"host_decode_share must be in \[0, 1\], got -0.1"):
+        loader(jpegs, "gpu", host_decode_share=-0.1)
+    device_only = batches(jpegs, "gpu", 4)
+    for share in (0.5, 1.0):
+        shared = batches(jpegs, "gpu", 4, host_decode_share=share)
+        assert_close_batches(shared, device_only, max_diff=2, mean_diff=0.1)
+        assert_close_batches(shared, batches(jpegs, "gpu", 4, host_decode_share=share), 0, 0.0)
+    first = loader(jpegs, "gpu", host_decode_share=0.5)
+    [first.next_batch() for _ in range(2)]
+    state = first.state_dict()
+    first.close()
+    again = loader(jpegs, "gpu", host_decode_share=0.25)
+    again.load_state_dict(state)
+    assert_close_batches([again.next_batch() for _ in range(2)], device_only[2:], 2, 0.1)
+    again.close()
 
 
 def _damaged(src: Path, dst: Path, damage) -> Path:
@@ -345,6 +388,17 @@ def test_decode_settings_resolve_or_fail_in_one_line(jpegs: Path, tmp_path: Path
         caught.value
     )
     assert load_config(REPO / "configs" / "quickstart.yaml", overrides[:2]).data.decode == "auto"
+    # A share of the decoding for the loader workers means nothing when they decode everything.
+    with pytest.raises(ConfigError) as caught:
+        load_config(
+            REPO / "configs" / "quickstart.yaml",
+            [*overrides[:2], "data.decode=cpu", "data.host_decode_share=0.3"],
+        )
+    assert "data.host_decode_share=0.3 splits the decoding between the GPU" in str(caught.value)
+    with pytest.raises(ConfigError, match=r"data\.host_decode_share"):
+        load_config(REPO / "configs" / "quickstart.yaml", [*overrides[:2], "data.host_decode_share=2"])
+    shared = load_config(REPO / "configs" / "quickstart.yaml", [*overrides[:2], "data.host_decode_share=0.3"])
+    assert shared.data.host_decode_share == 0.3
     with pytest.raises(ValueError, match="data.decode=gpu but this worker's device is cpu"):
         _decode_mode("gpu", CPU)
     assert _decode_mode("auto", CPU) == "auto"

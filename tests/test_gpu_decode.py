@@ -21,7 +21,13 @@ from test_gpu import has_faiss
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from dmltrain.data import load_dataset_info, train_transform
-from dmltrain.data.device_decode import DeviceDecoder, device_decode_problem, encode_part, resolve_decode
+from dmltrain.data.device_decode import (
+    DeviceDecoder,
+    EncodedPart,
+    device_decode_problem,
+    encode_part,
+    resolve_decode,
+)
 from dmltrain.data.shards import read_shard
 from dmltrain.data.transforms import decode
 
@@ -82,6 +88,33 @@ def test_gpu_decoded_batches_match_the_pil_path(colour_jpegs: Path) -> None:
         gpu_loader.close()
 
 
+def test_a_host_share_and_pinned_joins_give_the_same_batches(colour_jpegs: Path) -> None:
+    """data.host_decode_share=0.5 with the service's pinned joins: half of each part decoded by PIL in the
+    loader workers (exactly the PIL path's pixels), the rest by nvJPEG, joined into page-locked memory."""
+    urls = load_dataset_info(colour_jpegs).shard_urls(colour_jpegs, "train")
+    augment = train_transform(32)
+    parts = [encode_part(list(read_shard(u, shard=i)), augment, 0.5) for i, u in enumerate(urls[:3])]
+    joined = EncodedPart.join(parts, pin=True)
+    assert joined.data.is_pinned() and joined.decoded.is_pinned() and len(joined.decoded) > 0
+    plain = EncodedPart.join(parts)
+    keys = [f"k{i}" for i in range(len(joined))]
+    decoder = DeviceDecoder(augment, CUDA, urls)
+    assert torch.equal(decoder(joined, keys), decoder(plain, keys))
+    cpu_loader = loader(colour_jpegs, "cpu")
+    shared = loader(colour_jpegs, "gpu", device=CUDA, pin_memory=True, host_decode_share=0.5)
+    try:
+        for _ in range(3):
+            a, b = cpu_loader.next_batch(), shared.next_batch()
+            assert a[3] == b[3] and torch.equal(a[1], b[1]) and b[0].device.type == "cuda"
+            per_image = (a[0].float() - b[0].cpu().float()).abs().mean(dim=(1, 2, 3))
+            exact = int((per_image == 0).sum())
+            print(f"host share 0.5: {exact} of {len(per_image)} images exact, worst {per_image.max():.3f}")
+            assert per_image.mean() < 2 and per_image.max() < 4 and exact >= len(per_image) // 3
+    finally:
+        cpu_loader.close()
+        shared.close()
+
+
 def test_repeated_device_decodes_are_identical_and_leave_earlier_batches_intact(colour_jpegs: Path) -> None:
     """Batches come off a side stream: one held by the caller must survive later decodes (allocator reuse
     is fenced by record_stream), and the device path is deterministic."""
@@ -116,6 +149,7 @@ def test_service_runs_with_gpu_decode(ray_cluster, tmp_path: Path, colour_jpegs:
             f"data.root={colour_jpegs}",
             "data.prepare=null",
             "data.decode=gpu",
+            "data.host_decode_share=0.5",  # half of the JPEGs decoded in the loader workers
             "data.loader_workers=2",
             "run.name=gpu-decode",
             f"run.storage_path={tmp_path / 'ray_results'}",
@@ -136,7 +170,9 @@ def test_service_runs_with_gpu_decode(ray_cluster, tmp_path: Path, colour_jpegs:
     run = client.get_run(outcome.mlflow_run_id)
     assert run.info.status == "FINISHED"
     decoded_on = run.data.tags["dmltrain.data_decode"]
-    assert decoded_on.startswith("gpu (cuda"), decoded_on
+    assert decoded_on.startswith("gpu (cuda") and "0.5 of the images in the loader workers" in decoded_on, (
+        decoded_on
+    )
     losses = client.get_metric_history(outcome.mlflow_run_id, "train/loss")
     assert [m.step for m in losses] == [1, 2] and all(math.isfinite(m.value) for m in losses)
     share = run.data.metrics["train/data_wait_share"]

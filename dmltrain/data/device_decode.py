@@ -23,7 +23,7 @@ import functools
 import io
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,6 +45,10 @@ DECODE_MODES: tuple[str, ...] = ("auto", "cpu", "gpu")
 # torchvision 0.29 deprecates its image decoders in favour of TorchCodec (same nvJPEG underneath); the
 # GPU image's torchvision 0.26 does not. One narrow filter, so a batch decode does not warn every step.
 warnings.filterwarnings("ignore", message=r"(?s).*image decoding and encoding capabilities of TorchVision")
+
+# Where a loader worker writes a part's tensor: (field, shape, dtype) -> a tensor of that shape to fill (a
+# reused shared buffer, `dmltrain.data.slots`).
+OutBuffer = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
 
 # Columns of EncodedPart.params.
 _FLIP, _IMAGE_HEIGHT, _IMAGE_WIDTH = 4, 5, 6  # after the crop box (top, left, height, width)
@@ -68,18 +72,38 @@ class EncodedPart:
         return len(self.labels)
 
     @staticmethod
-    def join(parts: Sequence[EncodedPart]) -> EncodedPart:
-        """The parts of one step as one part, in order (what the loader's join thread does)."""
-        if len(parts) == 1:
+    def join(parts: Sequence[EncodedPart], pin: bool = False, copy: bool = False) -> EncodedPart:
+        """The parts of one step as one part, in order (what the loader's join thread does). With `pin`,
+        the bytes and the decoded images are joined straight into page-locked memory, which the device
+        decoder then copies without blocking and without pinning a second copy. `copy`: a single part
+        is copied too (its tensors are views of buffers its worker will reuse)."""
+        if len(parts) == 1 and not copy:
             return parts[0]
         fields = ("data", "sizes", "params", "decoded", "labels", "categories", "shards")
-        return EncodedPart(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
+        pinned = ("data", "decoded") if pin else ()
+        return EncodedPart(*(joined([getattr(p, f) for p in parts], f in pinned, copy) for f in fields))
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor that a loader worker hands over without a copy (shared memory, as default_collate does)."""
-    out = torch.empty(shape, dtype=dtype)
-    return out.share_memory_() if get_worker_info() is not None else out
+def joined(pieces: Sequence[torch.Tensor], pin: bool = False, copy: bool = False) -> torch.Tensor:
+    """`pieces` concatenated; with `pin` into page-locked memory from torch's caching host allocator.
+    Why: a CUDA copy is asynchronous only from pinned memory, and pinning a joined batch afterwards costs
+    a second copy plus a fresh allocation and release of the whole batch every step (`python
+    bench/join.py`: at B=4,096 and 224 px, 617 MB, 420 ms of a core against 64). `copy`: a new tensor
+    even for one piece."""
+    if not pin:
+        return pieces[0] if len(pieces) == 1 and not copy else torch.cat(list(pieces))
+    first = pieces[0]
+    out = torch.empty((sum(len(p) for p in pieces), *first.shape[1:]), dtype=first.dtype, pin_memory=True)
+    return torch.cat(list(pieces), out=out)
+
+
+def _empty(field: str, shape: tuple[int, ...], dtype: torch.dtype, out: OutBuffer | None) -> torch.Tensor:
+    """A tensor that a loader worker hands over without a copy: `out`'s buffer for `field`, else fresh
+    shared memory (as default_collate does)."""
+    if out is not None:
+        return out(field, shape, dtype)
+    tensor = torch.empty(shape, dtype=dtype)
+    return tensor.share_memory_() if get_worker_info() is not None else tensor
 
 
 def _header(data: bytes) -> tuple[str | None, str, int, int, int]:
@@ -95,16 +119,33 @@ def for_the_device(data: bytes, fmt: str | None, mode: str, orientation: int = 1
     return fmt == "JPEG" and mode == "RGB" and orientation == 1 and data.rstrip(b"\0").endswith(b"\xff\xd9")
 
 
-def encode_part(samples: list[Sample], augment: TrainAugment) -> EncodedPart:
+def on_the_host(position: int, host_share: float) -> bool:
+    """Whether the image at `position` of a part is one of the `host_share` of a part's images that the
+    loader worker decodes itself (spread evenly over the part, the same positions at every step)."""
+    return int((position + 1) * host_share) > int(position * host_share)
+
+
+def encode_part(
+    samples: list[Sample], augment: TrainAugment, host_share: float = 0.0, out: OutBuffer | None = None
+) -> EncodedPart:
     """Runs in a loader worker: the crop/flip draws of every image (in batch order, so they equal the CPU
-    path's), the encoded bytes of those the device decodes, and PIL decodes of the rest."""
+    path's), the encoded bytes of those the device decodes, and PIL decodes of the rest.
+
+    host_share: the fraction of images this worker decodes and augments with PIL even where the device
+    could (`on_the_host`). Why: the device path's decodes are driven by one host thread in the training
+    process, which sets the pace of a fast GPU's steps, while the loader workers, which only read and draw
+    in this mode, have cores to spare; sharing the decodes lets both work. The same draws either way.
+    out: where to write the bytes and the decoded images (`OutBuffer`; default fresh shared memory)."""
+    if not 0.0 <= host_share <= 1.0:
+        raise ValueError(f"host_share must be in [0, 1], got {host_share}")
     params: list[list[int]] = []
     sizes: list[int] = []
     decoded: list[torch.Tensor] = []
-    for sample in samples:
+    for position, sample in enumerate(samples):
         try:
             fmt, mode, height, width, orientation = _header(sample.data)
             device = for_the_device(sample.data, fmt, mode, orientation)
+            device = device and not on_the_host(position, host_share)
             if device:
                 box = augment.draw(height, width)
             else:  # drawn on the decoded (upright) size, as the CPU path draws
@@ -116,13 +157,13 @@ def encode_part(samples: list[Sample], augment: TrainAugment) -> EncodedPart:
             raise unusable_sample(sample, exc) from exc
         sizes.append(len(sample.data) if device else 0)
         params.append([box.top, box.left, box.height, box.width, int(box.flip), height, width])
-    data = _empty((sum(sizes),), torch.uint8)
+    data = _empty("data", (sum(sizes),), torch.uint8, out)
     flat, offset = data.numpy(), 0
     for sample, size in zip(samples, sizes, strict=True):
         if size:
             flat[offset : offset + size] = np.frombuffer(sample.data, dtype=np.uint8)
             offset += size
-    stacked = _empty((len(decoded), 3, augment.size, augment.size), torch.uint8)
+    stacked = _empty("decoded", (len(decoded), 3, augment.size, augment.size), torch.uint8, out)
     if decoded:
         torch.stack(decoded, out=stacked)
     return EncodedPart(

@@ -16,6 +16,7 @@ drawn, and the join thread decodes and augments the step's images on the trainin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -24,6 +25,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,12 +35,21 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from dmltrain.data.cache import ShardCache
-from dmltrain.data.device_decode import DecodeMode, DeviceDecoder, EncodedPart, encode_part, resolve_decode
+from dmltrain.data.device_decode import (
+    DecodeMode,
+    DeviceDecoder,
+    EncodedPart,
+    OutBuffer,
+    encode_part,
+    joined,
+    resolve_decode,
+)
 from dmltrain.data.errors import SampleError, unusable_sample
 from dmltrain.data.metadata import DatasetInfo, load_dataset_info
 from dmltrain.data.plan import TrainPlan
 from dmltrain.data.sampling import Batcher, PoolBatcher, ReservoirBatcher, SamplerSpec, TripletBatcher
 from dmltrain.data.shards import Sample, read_shard
+from dmltrain.data.slots import SlotReader, SlotRef, WorkerSlots, released_counter
 from dmltrain.data.stream import GroupStream, rank_shards, resolve_rank
 from dmltrain.data.transforms import (
     ResizeMode,
@@ -71,11 +82,15 @@ DECODE_BLOCK = 32
 
 
 def collate(
-    samples: list[Sample], transform: Transform, cache: ShardCache | None = None
+    samples: list[Sample],
+    transform: Transform,
+    cache: ShardCache | None = None,
+    out: OutBuffer | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode and transform ``samples`` into one batch. With ``cache`` and a `TrainAugment`, each image is
     decoded and prepared once and kept there while the cache is on (its random part never writes to its
-    input; another transform might, so it gets a fresh decode every time)."""
+    input; another transform might, so it gets a fresh decode every time). With ``out``, the images are
+    stacked into ``out("images", shape, dtype)`` (a loader worker's reused shared buffer)."""
     images = []
     keep_grey = treats_channels_alike(transform)  # grey sources: one channel through the transform
     augment = transform if cache is not None and isinstance(transform, TrainAugment) else None
@@ -87,15 +102,15 @@ def collate(
             assert cache is not None
             decoded = [_prepared(sample, keep_grey, cache, augment) for sample in block]
         images.extend(_transformed(block, decoded, transform, prepared=augment is not None))
-    try:
+    shapes = sorted({tuple(i.shape) for i in images})
+    if len(shapes) > 1:
+        raise SampleError(f"transformed images differ in shape {shapes[:4]}: use a fixed-size transform")
+    if out is not None and images:
+        batch = torch.stack(images, out=out("images", (len(images), *shapes[0]), images[0].dtype))
+    else:
         # default_collate stacks straight into shared memory inside a loader worker, which saves the copy
         # that sending an ordinary tensor to the main process would make.
         batch = default_collate(images)
-    except RuntimeError as exc:
-        shapes = sorted({tuple(i.shape) for i in images})
-        raise SampleError(
-            f"transformed images differ in shape {shapes[:4]}: use a fixed-size transform"
-        ) from exc
     labels = torch.tensor([s.cls for s in samples], dtype=torch.int64)
     categories = torch.tensor([s.category for s in samples], dtype=torch.int64)
     return batch, labels, categories
@@ -180,15 +195,22 @@ class TrainStream(IterableDataset):
         worker_states: dict[int, dict[str, Any]],
         decode: str = "cpu",
         cache_bytes: int = 0,
+        host_decode_share: float = 0.0,
+        released: Tensor | None = None,
+        slot_depth: int = 4,
     ) -> None:
         """decode: "cpu" decodes and augments each part here; "gpu" draws the augmentation and ships the
-        part encoded (`transform` must then be a `TrainAugment`). cache_bytes: each worker's `ShardCache`
-        (0: none)."""
+        part encoded (`transform` must then be a `TrainAugment`), but for `host_decode_share` of its
+        images, decoded here (`encode_part`). cache_bytes: each worker's `ShardCache` (0: none).
+        released: in a worker process, parts go through `slot_depth` reused shared buffers per field
+        (`dmltrain.data.slots`), this being the shared counter of the steps the reader has released."""
         super().__init__()
         self.urls, self.plan, self.rank, self.transform = urls, plan, rank, transform
         self.worker_states = worker_states
         self.decode = decode
         self.cache_bytes = cache_bytes
+        self.host_decode_share = host_decode_share
+        self.released, self.slot_depth = released, slot_depth
 
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
         info = get_worker_info()
@@ -201,6 +223,9 @@ class TrainStream(IterableDataset):
             cache = ShardCache(self.cache_bytes, held.images, self.plan.name(consumer))
         stream = GroupStream(self.urls, held.shards, seed, consumer, self.plan.shard_samples, cache)
         batcher = self._batcher(stream, consumer)
+        slots = None
+        if info is not None and self.released is not None:
+            slots = WorkerSlots(self.slot_depth, self.released)
         step = 0
         state = self.worker_states.get(worker)
         if state is not None:
@@ -217,11 +242,14 @@ class TrainStream(IterableDataset):
                     torch.default_generator.manual_seed(
                         int(np.random.SeedSequence([seed, consumer, step]).generate_state(1)[0])
                     )
+                    out = functools.partial(slots.out, step) if slots is not None else None
                     if self.decode == "gpu":
                         assert isinstance(self.transform, TrainAugment)
-                        part = encode_part(samples, self.transform)
+                        part = encode_part(samples, self.transform, self.host_decode_share, out)
                     else:
-                        part = collate(samples, self.transform, cache)
+                        part = collate(samples, self.transform, cache, out)
+                if slots is not None:
+                    part = _Shipped.of(part, slots, step)
             step += 1
             state = {"step": step, "stream": stream.state_dict(), "batcher": batcher.state_dict()}
             yield part, [s.key for s in samples], worker, step - 1, state
@@ -262,10 +290,18 @@ class TrainStream(IterableDataset):
 _Step = tuple[int, Any, list[str], dict[int, dict[str, Any]]]
 
 
-def _read_step(iterator: Iterator[Any], workers: int, steps: Iterator[int], pin: bool = False) -> _Step:
+def _read_step(
+    iterator: Iterator[Any],
+    workers: int,
+    steps: Iterator[int],
+    pin: bool = False,
+    slots: SlotReader | None = None,
+) -> _Step:
     """The W parts of the next step from the DataLoader (which hands worker outputs over in round-robin
     order), joined: (step, (images, labels, categories) or one EncodedPart, keys, worker states). With
-    `pin`, decoded parts are joined straight into page-locked memory (`_joined`)."""
+    `pin`, decoded parts (and encoded parts' bytes and images) are joined straight into page-locked
+    memory (`joined`, `EncodedPart.join`). Parts shipped through `slots` are views of the workers'
+    buffers: always copied by the join, then released to the workers."""
     expected_step = next(steps)
     parts, keys, states = [], [], {}
     for expected in range(workers):
@@ -275,27 +311,44 @@ def _read_step(iterator: Iterator[Any], workers: int, steps: Iterator[int], pin:
                 f"loader order broken: expected worker {expected} at step {expected_step}, got worker "
                 f"{worker} at step {step}"
             )
+        if isinstance(part, _Shipped):
+            assert slots is not None
+            part = part.views(slots, worker)
         if part is not None:
             parts.append(part)
         keys += part_keys
         states[worker] = state
+    copy = slots is not None
     if parts and isinstance(parts[0], EncodedPart):
-        joined: Any = EncodedPart.join(parts)
+        batch: Any = EncodedPart.join(parts, pin, copy)
     else:
-        joined = tuple(_joined(list(t), pin) for t in zip(*parts, strict=True))
-    return expected_step, joined, keys, states
+        batch = tuple(joined(t, pin, copy) for t in zip(*parts, strict=True))
+    if slots is not None:
+        slots.release(expected_step)
+    return expected_step, batch, keys, states
 
 
-def _joined(pieces: list[Tensor], pin: bool) -> Tensor:
-    """`pieces` concatenated; with `pin` into page-locked memory from torch's caching host allocator.
-    Why: a CUDA step copies its chunks asynchronously only from pinned memory, and pinning a joined batch
-    afterwards costs a second copy plus a fresh allocation and release of the whole batch every step
-    (`python bench/join.py`: at B=4,096 and 224 px, 617 MB, 420 ms of a core against 64)."""
-    if not pin:
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    first = pieces[0]
-    out = torch.empty((sum(len(p) for p in pieces), *first.shape[1:]), dtype=first.dtype, pin_memory=True)
-    return torch.cat(pieces, out=out)
+@dataclass
+class _Shipped:
+    """A worker's part as references to its shared buffers (`dmltrain.data.slots`), rebuilt as views."""
+
+    encoded: bool  # an EncodedPart, else (images, labels, categories)
+    refs: dict[str, SlotRef]
+
+    @staticmethod
+    def of(part: Any, slots: WorkerSlots, step: int) -> _Shipped:
+        if isinstance(part, EncodedPart):
+            tensors = {f.name: getattr(part, f.name) for f in dataclasses.fields(part)}
+        else:
+            tensors = dict(zip(_FIELDS, part, strict=True))
+        return _Shipped(isinstance(part, EncodedPart), slots.ship(step, tensors))
+
+    def views(self, slots: SlotReader, worker: int) -> Any:
+        tensors = slots.tensors(worker, self.refs)
+        return EncodedPart(**tensors) if self.encoded else tuple(tensors[f] for f in _FIELDS)
+
+
+_FIELDS = ("images", "labels", "categories")
 
 
 class _JoinAhead:
@@ -304,33 +357,17 @@ class _JoinAhead:
     caller's critical path. All sampling (and, decoding on the CPU, all decoding) stays in the loader
     worker processes; `finish` (decoding on the device) runs here too, one step ahead."""
 
-    def __init__(
-        self,
-        iterator: Iterator[Any],
-        workers: int,
-        step: int,
-        finish: Callable[[_Step], _Step],
-        pin: bool = False,
-    ) -> None:
+    def __init__(self, read: Callable[[], _Step]) -> None:
+        """read: the next step's batch, read, joined and finished (`TrainLoader._read`)."""
         self._queue: queue.Queue[_Step | BaseException] = queue.Queue(maxsize=1)
         self._stop = threading.Event()
-        steps = itertools.count(step)
-        self._thread = threading.Thread(
-            target=self._run, args=(iterator, workers, steps, finish, pin), daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, args=(read,), daemon=True)
         self._thread.start()
 
-    def _run(
-        self,
-        iterator: Iterator[Any],
-        workers: int,
-        steps: Iterator[int],
-        finish: Callable[[_Step], _Step],
-        pin: bool,
-    ) -> None:
+    def _run(self, read: Callable[[], _Step]) -> None:
         while not self._stop.is_set():
             try:
-                item: _Step | BaseException = finish(_read_step(iterator, workers, steps, pin))
+                item: _Step | BaseException = read()
             except BaseException as exc:  # handed to the caller, with its traceback
                 item = exc
             while not self._stop.is_set():
@@ -368,9 +405,14 @@ class TrainLoader:
     where they share the step's cores. cache_mb: memory the loader workers together may keep their shards
     in after the first pass, read and (decoding on the CPU) decoded, each its equal share, when all of its
     shards fit (`dmltrain.data.cache`); 0 = off. The batches are the same whatever these two are.
-    pin_memory: decoding on the CPU, join each batch straight into page-locked memory (for asynchronous
-    copies to a CUDA device; needs CUDA), in the join thread when there is one (`joins_ahead`): one host
-    copy a step instead of joining and then pinning. Ignored with decode "gpu" (batches are on the device).
+    pin_memory: join each batch straight into page-locked memory (for asynchronous copies to a CUDA
+    device; needs CUDA), in the join thread when there is one (`joins_ahead`): one host copy a step instead
+    of joining and then pinning. With decode "gpu" (batches are returned on the device) the same holds for
+    the encoded bytes and the images the workers decoded, on their way to the device decoder.
+    host_decode_share: with decode "gpu", the fraction of each part's images the loader workers still
+    decode and augment with PIL (spread evenly, the same positions every step): one host thread drives the
+    device decodes, and on a fast GPU it can set the step's pace while the workers have cores to spare.
+    0 = every JPEG on the device, 1 = all in the workers; the same crops either way.
     """
 
     def __init__(
@@ -398,6 +440,7 @@ class TrainLoader:
         worker_priority: WorkerPriority = "normal",
         cache_mb: int = 0,
         pin_memory: bool = False,
+        host_decode_share: float = 0.0,
     ) -> None:
         self.spec = sampler if isinstance(sampler, SamplerSpec) else SamplerSpec.from_config(sampler or {})
         if batch_size < 2:
@@ -429,9 +472,12 @@ class TrainLoader:
             raise ValueError(f"worker_priority must be 'normal' or 'idle', got {worker_priority!r}")
         self.worker_priority = worker_priority
         self.cache_mb = cache_mb
-        self.pin_memory = pin_memory and self.decode == "cpu"
+        self.pin_memory = pin_memory
         if self.pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True joins batches into page-locked memory, which needs CUDA")
+        if not 0.0 <= host_decode_share <= 1.0:
+            raise ValueError(f"host_decode_share must be in [0, 1], got {host_decode_share}")
+        self.host_decode_share = host_decode_share
         self.plan = TrainPlan(
             self.info, split, self.spec, batch_size, self.world_size, self.workers, where=self.root
         )
@@ -442,6 +488,7 @@ class TrainLoader:
         self._source: Callable[[], _Step] | None = None
         self._joiner: _JoinAhead | None = None
         self._decoder: DeviceDecoder | None = None
+        self._slots: SlotReader | None = None
         if self.decode == "gpu":
             assert isinstance(self.transform, TrainAugment) and self.decode_device is not None
             self._decoder = DeviceDecoder(self.transform, self.decode_device, self.urls, decode_batch)
@@ -469,11 +516,12 @@ class TrainLoader:
         """The next local batch: the parts of this step from every loader worker, joined in worker order."""
         if self._source is None:
             iterator = iter(self._dataloader())
+            steps = itertools.count(self.step)
+            read = functools.partial(_read_step, iterator, self.workers, steps, self.pin_memory, self._slots)
             if self.joins_ahead:
-                self._joiner = _JoinAhead(iterator, self.workers, self.step, self._finish, self.pin_memory)
+                self._joiner = _JoinAhead(lambda: self._finish(read()))
                 self._source = self._joiner.get
             else:  # one part is the batch: nothing to join, and no thread beside the caller's RNG use
-                read = functools.partial(_read_step, iterator, 1, itertools.count(self.step), self.pin_memory)
                 self._source = lambda: self._finish(read())
         step, (images, labels, categories), keys, states = self._source()
         if len(labels) != self.batch_size or step != self.step:
@@ -492,6 +540,12 @@ class TrainLoader:
         return step, joined, keys, states
 
     def _dataloader(self) -> DataLoader:
+        """A DataLoader from the current state; with worker processes, their parts come through shared
+        buffers reused every `prefetch_factor` + 1 steps (`dmltrain.data.slots`): while this process joins
+        step s, a worker may write at most steps s+1 ... s+prefetch_factor (the DataLoader asks it for one
+        step more each time this process takes one), so it never waits for a buffer."""
+        released = released_counter(self.step) if self.num_workers > 0 else None
+        self._slots = SlotReader(released) if released is not None else None
         dataset = TrainStream(
             self.urls,
             self.plan,
@@ -500,6 +554,9 @@ class TrainLoader:
             dict(self._worker_states),
             self.decode,
             (self.cache_mb << 20) // self.workers,
+            self.host_decode_share,
+            released,
+            self.prefetch_factor + 1,
         )
         extra: dict[str, Any] = {}
         if self.num_workers > 0:

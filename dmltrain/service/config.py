@@ -121,6 +121,16 @@ class DataConfig(_Section):
         "JPEGs in batches on the worker's GPU (nvJPEG), the loader workers only sample, read and draw the "
         "crops; auto = gpu on CUDA workers where torchvision decodes JPEGs, else cpu.",
     )
+    host_decode_share: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Where data.decode resolves to gpu: the fraction of each batch's JPEGs that the loader "
+        "workers still decode and augment with PIL (spread evenly over the batch). One host thread drives "
+        "the GPU's decodes and on a fast GPU it can set the step's pace while the loader workers, which then "
+        "only read and draw, have cores to spare. 0 = every JPEG on the GPU, 1 = all in the loader workers; "
+        "the same crops either way. Ignored where decode resolves to cpu.",
+    )
 
     @model_validator(mode="after")
     def _check_scale(self) -> DataConfig:
@@ -490,6 +500,12 @@ class ExperimentConfig(_Section):
             raise ValueError(
                 "data.decode=gpu decodes on the training workers' GPUs, but scaling.use_gpu=false: "
                 "set data.decode=auto or cpu"
+            )
+        if self.data.decode == "cpu" and self.data.host_decode_share > 0:
+            raise ValueError(
+                f"data.host_decode_share={self.data.host_decode_share} splits the decoding between the GPU "
+                "and the loader workers, but data.decode=cpu decodes everything in the workers: set "
+                "data.decode=gpu or auto, or leave data.host_decode_share at 0"
             )
         if self.sampler.name == "hard" and self.train.global_batch_size % 2:
             raise ValueError("sampler.name=hard splits the global batch in two halves: make it even")

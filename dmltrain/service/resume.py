@@ -28,8 +28,8 @@ from dmltrain.service.tracking import ExistingRun
 
 # Keys a resumed run may change: length, cadence, fault tolerance and pure execution settings that leave the
 # trained model unchanged (chunk_size: the engine computes the same global-batch gradient whatever it is;
-# data.decode: the same samples, crops and flips, only the JPEG decoder differs; data.cache_mb: the same
-# batches).
+# data.decode, data.host_decode_share: the same samples, crops and flips, only the JPEG decoder differs;
+# data.cache_mb: the same batches).
 RESUMABLE_KEYS = frozenset(
     {
         "train.steps",
@@ -54,6 +54,7 @@ RESUMABLE_KEYS = frozenset(
         "scaling.topology",
         "data.prepare",
         "data.decode",
+        "data.host_decode_share",
         "data.cache_mb",
         "mlflow.tracking_uri",
         "mlflow.log_checkpoints",

@@ -292,6 +292,7 @@ class WorkerLoop:
             worker_priority=_loader_priority(config.data.loader_priority, self.device),
             cache_mb=config.data.cache_mb,
             pin_memory=self.device.type == "cuda",
+            host_decode_share=config.data.host_decode_share,
         )
         log.info(
             "rank %d: training images decoded on %s, loader priority %s, loader cache %d MB",
@@ -333,8 +334,11 @@ class WorkerLoop:
         # Metrics go to MLflow from a background thread: a step never waits for the tracking store.
         self.logger = RunLogger(tracking_uri, run_id, asynchronous=True) if self.rank == 0 else None
         if self.logger is not None:  # what data.decode resolved to (auto picks per worker)
-            device = self.stream.decode_device
-            self.logger.set_tag("dmltrain.data_decode", f"gpu ({device})" if device else "cpu")
+            device, share = self.stream.decode_device, self.stream.host_decode_share
+            where = f"gpu ({device})" if device else "cpu"
+            if device and share:
+                where += f", {share:g} of the images in the loader workers"
+            self.logger.set_tag("dmltrain.data_decode", where)
         self._restore()
 
     # ------------------------------------------------------------------ resume / checkpoint
