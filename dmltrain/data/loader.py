@@ -197,7 +197,7 @@ class TrainStream(IterableDataset):
         cache_bytes: int = 0,
         host_decode_share: float = 0.0,
         released: Tensor | None = None,
-        slot_depth: int = 4,
+        slot_depth: int = 3,
     ) -> None:
         """decode: "cpu" decodes and augments each part here; "gpu" draws the augmentation and ships the
         part encoded (`transform` must then be a `TrainAugment`), but for `host_decode_share` of its
@@ -358,7 +358,8 @@ class _JoinAhead:
     worker processes; `finish` (decoding on the device) runs here too, one step ahead."""
 
     def __init__(self, read: Callable[[], _Step]) -> None:
-        """read: the next step's batch, read, joined and finished (`TrainLoader._read`)."""
+        """read: the next step's batch, read and joined (`_read_step`), then finished (decoded on the
+        device, `TrainLoader._finish`)."""
         self._queue: queue.Queue[_Step | BaseException] = queue.Queue(maxsize=1)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(read,), daemon=True)
