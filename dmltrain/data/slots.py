@@ -5,11 +5,12 @@ allocates and fills new pages, the training process receives a file descriptor t
 pages, faults every one in while it reads them, and unmaps them again afterwards, all for the next step's
 hundreds of megabytes, in the process whose main thread drives the training step. Measured with `python
 bench/join.py` (B=4,096 at 224 px from 10 worker processes, 2-core machine): a training-like thread beside
-the joins of received parts kept 0.78x of its speed, 1.10x beside the same joins of parts already in the
-process. Here each worker keeps `depth` buffers per field in shared memory and writes step s's part into
-buffer s % depth; the training process maps a buffer once, when it first arrives, and afterwards receives
-only a `SlotRef` naming it. A shared counter says which steps the training process has finished reading,
-and a worker waits before it overwrites a buffer the training process may still read.
+the reads of parts received that way kept 0.70-0.83x of its speed, 0.91-1.03x with these buffers, and
+0.92-0.96x beside the join alone. Here each worker keeps `depth` buffers per field in shared memory and
+writes step s's part into buffer s % depth; the training process maps a buffer once, when it first
+arrives, and afterwards receives only a `SlotRef` naming it. A shared counter says which steps the
+training process has finished reading, and a worker waits before it overwrites a buffer the training
+process may still read.
 """
 
 from __future__ import annotations
