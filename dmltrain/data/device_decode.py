@@ -19,6 +19,7 @@ path runs with libjpeg (tests, comparisons).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import logging
@@ -79,9 +80,15 @@ class EncodedPart:
         is copied too (its tensors are views of buffers its worker will reuse)."""
         if len(parts) == 1 and not copy:
             return parts[0]
-        fields = ("data", "sizes", "params", "decoded", "labels", "categories", "shards")
         pinned = ("data", "decoded") if pin else ()
-        return EncodedPart(*(joined([getattr(p, f) for p in parts], f in pinned, copy) for f in fields))
+        return EncodedPart(
+            **{f: joined([getattr(p, f) for p in parts], f in pinned, copy) for f in encoded_fields()}
+        )
+
+
+def encoded_fields() -> tuple[str, ...]:
+    """The tensor fields of an `EncodedPart`, in order: what a join concatenates and a worker ships."""
+    return tuple(f.name for f in dataclasses.fields(EncodedPart))
 
 
 def joined(pieces: Sequence[torch.Tensor], pin: bool = False, copy: bool = False) -> torch.Tensor:

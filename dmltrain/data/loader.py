@@ -16,7 +16,6 @@ drawn, and the join thread decodes and augments the step's images on the trainin
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -41,6 +40,7 @@ from dmltrain.data.device_decode import (
     EncodedPart,
     OutBuffer,
     encode_part,
+    encoded_fields,
     joined,
     resolve_decode,
 )
@@ -338,7 +338,7 @@ class _Shipped:
     @staticmethod
     def of(part: Any, slots: WorkerSlots, step: int) -> _Shipped:
         if isinstance(part, EncodedPart):
-            tensors = {f.name: getattr(part, f.name) for f in dataclasses.fields(part)}
+            tensors = {f: getattr(part, f) for f in encoded_fields()}
         else:
             tensors = dict(zip(_FIELDS, part, strict=True))
         return _Shipped(isinstance(part, EncodedPart), slots.ship(step, tensors))
