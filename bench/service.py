@@ -157,6 +157,10 @@ class _Context:
     world_size: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
+    @property
+    def local_world_size(self) -> int:  # every rank on this machine
+        return self.world_size
+
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.world_size > 1:
             return torch.nn.parallel.DistributedDataParallel(model)

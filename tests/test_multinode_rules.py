@@ -90,6 +90,21 @@ def test_workers_that_a_single_node_cannot_hold_are_refused_with_the_numbers() -
     )
     attached = ClusterView.from_ray_nodes([_node("n", "127.0.0.1", 3.0)], attached=True)
     assert local_capacity_problem(four, attached, machine_cpus=1) is None
+    # scaling.use_gpu=true on a machine without GPUs: Ray waited for a GPU forever ("No available node
+    # types can fulfill resource request"), as a large-batch config did when tried on a CPU machine.
+    gpu = load_config(
+        QUICKSTART, ["scaling.use_gpu=true", "scaling.num_workers=2", "scaling.cpus_per_worker=1"]
+    )
+    assert local_capacity_problem(gpu, local, machine_cpus=2, machine_gpus=2) is None
+    assert local_capacity_problem(gpu, local, machine_cpus=2, machine_gpus=1) == (
+        "scaling.use_gpu=true gives each of scaling.num_workers=2 a GPU, but the single-node Ray cluster of "
+        "this run has 1: set scaling.use_gpu=auto (CPU where there is no GPU) or lower scaling.num_workers"
+    )
+    auto = load_config(QUICKSTART, ["scaling.use_gpu=auto"])
+    assert local_capacity_problem(auto, local, machine_cpus=2, machine_gpus=0) is None
+    assert local_capacity_problem(gpu, attached, machine_cpus=2, machine_gpus=0) is None
+    two_cpus = ClusterView.from_ray_nodes([_node("n", "127.0.0.1", 2.0)], attached=False)
+    assert "of this run has 0: set" in local_capacity_problem(gpu, two_cpus, machine_cpus=2, machine_gpus=2)
 
 
 @pytest.mark.service

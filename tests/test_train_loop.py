@@ -46,6 +46,7 @@ class LocalContext:
     rank: int = 0
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    local_world_size: int = 1
     restore_from: Path | None = None
     reports: list[dict[str, Any]] = field(default_factory=list)
 

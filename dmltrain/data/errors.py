@@ -22,6 +22,11 @@ class SamplingError(RuntimeError):
     """A consumer's part of a batch cannot be drawn from the classes its shards hold."""
 
 
+class SharedMemoryError(RuntimeError):
+    """The loader workers cannot get the shared memory (/dev/shm) their batches cross in: the same on every
+    attempt until the node's /dev/shm grows or the batch a rank shrinks (`dmltrain.data.shared_memory`)."""
+
+
 def sample_name(key: str, url: str) -> str:
     """How messages name a sample, on every decode path."""
     return f"sample {key!r} of shard {url}"

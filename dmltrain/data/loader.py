@@ -49,6 +49,12 @@ from dmltrain.data.metadata import DatasetInfo, load_dataset_info
 from dmltrain.data.plan import TrainPlan
 from dmltrain.data.sampling import Batcher, PoolBatcher, ReservoirBatcher, SamplerSpec, TripletBatcher
 from dmltrain.data.shards import Sample, read_shard
+from dmltrain.data.shared_memory import (
+    encoded_bytes_per_image,
+    eval_loader_bytes,
+    explain_shared_memory_error,
+    train_loader_bytes,
+)
 from dmltrain.data.slots import SlotReader, SlotRef, WorkerSlots, released_counter
 from dmltrain.data.stream import GroupStream, rank_shards, resolve_rank
 from dmltrain.data.transforms import (
@@ -57,6 +63,7 @@ from dmltrain.data.transforms import (
     Transform,
     as_rgb,
     decode,
+    output_side,
     test_transform,
     train_transform,
     treats_channels_alike,
@@ -458,6 +465,7 @@ class TrainLoader:
         self.transform = transform or train_transform(
             image_size, scale=crop_scale, resize_mode=resize_mode, resize=resize
         )
+        self.image_size = output_side(self.transform, image_size)
         self.decode, self.decode_device = resolve_decode(decode, device)
         if self.decode == "gpu" and not isinstance(self.transform, TrainAugment):
             if decode == "gpu":
@@ -524,12 +532,32 @@ class TrainLoader:
                 self._source = self._joiner.get
             else:  # one part is the batch: nothing to join, and no thread beside the caller's RNG use
                 self._source = lambda: self._finish(read())
-        step, (images, labels, categories), keys, states = self._source()
+        try:
+            step, (images, labels, categories), keys, states = self._source()
+        except RuntimeError as exc:
+            need = self.shared_memory_bytes()
+            error = explain_shared_memory_error(exc, need, "this rank's training loader")
+            if error is None:
+                raise
+            raise error from exc
         if len(labels) != self.batch_size or step != self.step:
             raise RuntimeError(f"step {self.step}: got step {step} with {len(labels)} images")
         self._worker_states = states
         self.step += 1
         return (images, labels, categories, keys) if self.with_keys else (images, labels, categories)
+
+    def shared_memory_bytes(self) -> int:
+        """About what this loader's worker processes hold in shared memory once running (their buffers for
+        `prefetch_factor` + 1 steps: `dmltrain.data.shared_memory`)."""
+        return train_loader_bytes(
+            self.batch_size,
+            self.num_workers,
+            self.image_size,
+            decode="gpu" if self.decode == "gpu" else "cpu",
+            host_decode_share=self.host_decode_share,
+            encoded_bytes_per_image=encoded_bytes_per_image(self.info, self.split),
+            prefetch_factor=self.prefetch_factor,
+        )
 
     def _finish(self, item: _Step) -> _Step:
         """Decode a step's encoded parts on the device (in the join thread when there is one)."""
@@ -678,6 +706,7 @@ class EvalLoader:
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.transform = transform or test_transform(image_size, resize, resize_mode)
+        self.image_size = output_side(self.transform, image_size)
         self._urls = [(i, urls[i], shards[i].num_samples) for i in self.shards]
 
     def __len__(self) -> int:
@@ -686,7 +715,14 @@ class EvalLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]]:
         if not self._urls:
-            return iter(())
+            return
         workers = min(self.num_workers, len(self._urls))
         dataset = EvalStream(self._urls, self.batch_size, self.transform, self.with_shards)
-        return iter(DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_as_is))
+        try:
+            yield from DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_as_is)
+        except RuntimeError as exc:
+            need = eval_loader_bytes(self.batch_size, workers, self.image_size)
+            error = explain_shared_memory_error(exc, need, f"this rank's {self.split} loader")
+            if error is None:
+                raise
+            raise error from exc

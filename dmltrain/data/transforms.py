@@ -375,3 +375,12 @@ def test_transform(
     return v2.Compose(
         [v2.Resize(target, interpolation=_mode(interpolation), antialias=True), v2.CenterCrop(size)]
     )
+
+
+def output_side(transform: Transform, default: int) -> int:
+    """The side of the square images `transform` returns, where it says (a `TrainAugment`, or a pipeline
+    ending in a centre crop as `test_transform`'s), else `default`."""
+    if isinstance(transform, TrainAugment):
+        return transform.size
+    crops = [t for t in getattr(transform, "transforms", ()) if isinstance(t, v2.CenterCrop)]
+    return int(crops[-1].size[0]) if crops else default

@@ -126,26 +126,36 @@ def decide_topology(setting: str, view: ClusterView) -> Topology:
     return Topology(False, "one local Ray node")
 
 
-def local_capacity_problem(config: ExperimentConfig, view: ClusterView, machine_cpus: int) -> str | None:
-    """One line when the workers ask for more CPUs than a single-node cluster has, else None.
+def local_capacity_problem(
+    config: ExperimentConfig, view: ClusterView, machine_cpus: int, machine_gpus: int | None = None
+) -> str | None:
+    """One line when the workers ask for more CPUs (or, with ``scaling.use_gpu=true``, GPUs) than a
+    single-node cluster has, else None.
 
     Ray would otherwise wait for resources that never come. Only a cluster that cannot grow is checked:
-    the local one this driver starts (this machine's CPUs) or an in-process one; an attached cluster may
-    autoscale, so its current nodes say nothing about what fits.
+    the local one this driver starts (this machine's CPUs and GPUs; `machine_gpus` None: not counted) or an
+    in-process one; an attached cluster may autoscale, so its current nodes say nothing about what fits.
     """
     if view.attached:
         return None
-    cpus = sum(node.cpus for node in view.nodes) if view.nodes else float(machine_cpus)
     scaling = config.scaling
+    cpus = sum(node.cpus for node in view.nodes) if view.nodes else float(machine_cpus)
     need = scaling.num_workers * scaling.cpus_per_worker
-    if need <= cpus:
-        return None
-    return (
-        f"scaling.num_workers={scaling.num_workers} x scaling.cpus_per_worker={scaling.cpus_per_worker:g} "
-        f"= {need:g} CPUs, but the single-node Ray cluster of this run has {cpus:g}: lower "
-        "scaling.cpus_per_worker (torch threads follow it unless scaling.torch_threads is set) or "
-        "scaling.num_workers"
-    )
+    if need > cpus:
+        return (
+            f"scaling.num_workers={scaling.num_workers} x scaling.cpus_per_worker="
+            f"{scaling.cpus_per_worker:g} = {need:g} CPUs, but the single-node Ray cluster of this run has "
+            f"{cpus:g}: lower scaling.cpus_per_worker (torch threads follow it unless scaling.torch_threads "
+            "is set) or scaling.num_workers"
+        )
+    gpus = view.gpus if view.nodes else machine_gpus
+    if scaling.use_gpu is True and gpus is not None and scaling.num_workers > gpus:
+        return (
+            f"scaling.use_gpu=true gives each of scaling.num_workers={scaling.num_workers} a GPU, but the "
+            f"single-node Ray cluster of this run has {gpus:g}: set scaling.use_gpu=auto (CPU where there "
+            "is no GPU) or lower scaling.num_workers"
+        )
+    return None
 
 
 def _tracking_problem(uri: str) -> str | None:

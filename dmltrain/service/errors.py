@@ -10,7 +10,7 @@ policy never retries. This module stays free of Ray so the worker loop can use i
 
 from __future__ import annotations
 
-from dmltrain.data.errors import SampleError, SamplingError
+from dmltrain.data.errors import SampleError, SamplingError, SharedMemoryError
 from dmltrain.data.shards import ShardError
 
 
@@ -30,8 +30,9 @@ class FatalRunError(RuntimeError):
 # Raised while a worker sets up (model, data plan, weights): no restart makes them go away. Errors of the
 # training loop itself are retried unless listed in FATAL_IN_LOOP (a lost peer shows up as RuntimeError);
 # what the data causes (a damaged shard or image, a batch its classes cannot fill) replays on a restart.
-FATAL_IN_SETUP = (ValueError, KeyError, TypeError, FileNotFoundError, ImportError)
-FATAL_IN_LOOP = (ShardError, SampleError, SamplingError)
+# A node whose /dev/shm cannot hold what the loaders keep there stays so across restarts.
+FATAL_IN_SETUP = (ValueError, KeyError, TypeError, FileNotFoundError, ImportError, SharedMemoryError)
+FATAL_IN_LOOP = (ShardError, SampleError, SamplingError, SharedMemoryError)
 
 
 def as_fatal(exc: BaseException, rank: int, phase: str, *, explained: bool = False) -> FatalRunError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -29,10 +30,16 @@ from dmltrain.data import (
 )
 from dmltrain.data.metadata import METADATA_NAME
 from dmltrain.data.plan import TrainPlan
+from dmltrain.data.shared_memory import (
+    encoded_bytes_per_image,
+    eval_loader_bytes,
+    shared_memory_problem,
+    train_loader_bytes,
+)
 from dmltrain.data.urls import is_local, local_path
 from dmltrain.models import MissingExtraError
 from dmltrain.service.best import resolve_best_metric
-from dmltrain.service.builders import check_network
+from dmltrain.service.builders import check_network, resolve_preprocessing
 from dmltrain.service.config import ConfigError, ExperimentConfig
 from dmltrain.service.tracking import sqlite_store_path
 
@@ -146,6 +153,45 @@ _DEFAULT_PORTS = {
     "mysql": 3306,
     "mssql": 1433,
 }
+
+
+def expected_decode(config: ExperimentConfig) -> str:
+    """The decode path the workers of a single-node run will take (the driver's node is theirs):
+    ``data.decode=auto`` decodes on the GPU where the node has one the run uses."""
+    if config.data.decode != "auto":
+        return config.data.decode
+    import torch
+
+    return "gpu" if config.scaling.use_gpu is not False and torch.cuda.is_available() else "cpu"
+
+
+def shared_memory_config_problem(
+    config: ExperimentConfig, info: DatasetInfo, decode: str, ranks: int
+) -> str | None:
+    """One line naming the keys when the loaders of `ranks` ranks on one node would keep more in shared
+    memory than the node's /dev/shm holds, else None. Each rank's training loader keeps its buffers for
+    the run, and an evaluation's loader works beside them (`dmltrain.data.shared_memory`)."""
+    data = config.data
+    side = resolve_preprocessing(config).resolution
+    per_rank = train_loader_bytes(
+        config.local_batch_size,
+        data.loader_workers,
+        side,
+        decode="gpu" if decode == "gpu" else "cpu",
+        host_decode_share=data.host_decode_share,
+        encoded_bytes_per_image=encoded_bytes_per_image(info, data.train_split),
+    )
+    # An evaluation's loader starts no more workers than a rank has shards of the split.
+    shards = max(len(info.split(s).shards) for s in info.evaluated_splits)
+    eval_workers = min(data.loader_workers, math.ceil(shards / config.scaling.num_workers))
+    per_rank += eval_loader_bytes(config.eval.batch_size, eval_workers, side)
+    what = (
+        f"the loaders of {ranks} rank(s) ({config.local_batch_size} images a rank at {side} px: "
+        f"train.global_batch_size={config.train.global_batch_size} over "
+        f"scaling.num_workers={config.scaling.num_workers}; data.loader_workers={data.loader_workers}, "
+        f"data.decode={decode}, eval.batch_size={config.eval.batch_size})"
+    )
+    return shared_memory_problem(per_rank * ranks, what)
 
 
 def check_outputs(config: ExperimentConfig, tracking_uri: str, timeout_s: float = 5.0) -> None:

@@ -54,7 +54,9 @@ from dmltrain.service.preflight import (
     check_config,
     check_data,
     check_outputs,
+    expected_decode,
     load_data,
+    shared_memory_config_problem,
     short_pieces_note,
 )
 from dmltrain.service.ray_priority import keep_ray_in_background
@@ -251,6 +253,14 @@ def local_node_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def local_node_gpus() -> int:
+    """The GPUs the local Ray node will have: those CUDA shows this process (CUDA_VISIBLE_DEVICES applies to
+    both); Ray counts them through the driver, and torch is what the workers train with."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def check_cluster(config: ExperimentConfig, tracking_uri: str, tracking_is_default: bool) -> ClusterView:
     """Connect to an existing cluster (or not yet, for a local one) and refuse settings that cannot work
     on it: one line per setting (dmltrain.service.cluster). ``config`` is as written (paths unresolved)."""
@@ -259,7 +269,7 @@ def check_cluster(config: ExperimentConfig, tracking_uri: str, tracking_is_defau
     view = _cluster_view(connect=joins_existing_cluster() or ray.is_initialized())
     topology = decide_topology(config.scaling.topology, view)
     problems = storage_problems(config, tracking_uri, tracking_is_default, topology)
-    capacity = local_capacity_problem(config, view, local_node_cpus())
+    capacity = local_capacity_problem(config, view, local_node_cpus(), local_node_gpus())
     if capacity and not topology.multi_node:
         problems.append(capacity)
     if problems:
@@ -372,6 +382,12 @@ def launch(
         problems = check_shared_paths(config, view)
         if problems:
             raise ConfigError("\n".join(problems))
+    else:  # every rank on this node; on a multi-node cluster each worker checks its own (WorkerLoop)
+        problem = shared_memory_config_problem(
+            config, info, expected_decode(config), config.scaling.num_workers
+        )
+        if problem:
+            raise ConfigError(problem)
 
     for note in (batchnorm_note(config), short_pieces_note(config, batch_plan)):
         if note:

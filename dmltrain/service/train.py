@@ -32,6 +32,7 @@ from dmltrain.acceleration import (
     resolve_small_conv_matmul,
 )
 from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
+from dmltrain.data.errors import SharedMemoryError
 from dmltrain.data.loader import WorkerPriority
 from dmltrain.distributed import all_gather_objects, broadcast_object
 from dmltrain.engine import global_batch_step
@@ -64,6 +65,7 @@ from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
 from dmltrain.service.logs import WORKER_LOGGERS, quiet_ray_reports, setup_logging, shorten_explained_errors
 from dmltrain.service.memory import peak_rss_mb, reset_peak_rss
 from dmltrain.service.prefetch import BatchPrefetcher
+from dmltrain.service.preflight import shared_memory_config_problem
 from dmltrain.service.profiling import StepProfiler
 from dmltrain.service.tracking import RunLogger
 from dmltrain.small_convs import gemm_weight_grads_help, use_matmul_for_small_convs
@@ -294,6 +296,11 @@ class WorkerLoop:
             pin_memory=self.device.type == "cuda",
             host_decode_share=config.data.host_decode_share,
         )
+        problem = shared_memory_config_problem(
+            config, self.info, self.stream.decode, ray_ctx.local_world_size
+        )
+        if problem:  # the driver checked a single node; here every node checks itself
+            raise SharedMemoryError(problem)
         log.info(
             "rank %d: training images decoded on %s, loader priority %s, loader cache %d MB",
             self.rank,
@@ -721,6 +728,7 @@ class _RayContext:
     rank: int
     world_size: int
     device: torch.device
+    local_world_size: int = 1  # ranks on this worker's node
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         import ray.train.torch
@@ -779,7 +787,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     setup_logging()
     quiet_ray_reports()
     context = ray.train.get_context()
-    ray_ctx = _RayContext(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device())
+    ray_ctx = _RayContext(
+        context.get_world_rank(),
+        context.get_world_size(),
+        ray.train.torch.get_device(),
+        context.get_local_world_size(),
+    )
     config = ExperimentConfig.model_validate(loop_config["config"])
     # Errors no restart can fix end the run at once (dmltrain.service.errors); anything else, e.g. a peer
     # lost mid-collective, propagates as is and Ray restarts the group from the last checkpoint.
