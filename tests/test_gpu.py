@@ -261,6 +261,22 @@ def test_auto_precision_on_this_gpu() -> None:
     assert precision.grad_scaling == (precision.name == "fp16")
 
 
+def test_a_step_too_large_for_the_gpu_is_one_line_naming_the_chunk() -> None:
+    """A real CUDA out-of-memory error: the worker loop's line keeps torch's account and names the key."""
+    from dmltrain.service.config import load_config
+    from dmltrain.service.train import device_memory_error
+
+    config = load_config(REPO / "configs" / "quickstart.yaml")
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        torch.empty(2**50, dtype=torch.uint8, device=CUDA)
+    line = str(device_memory_error(caught.value, config, evaluating=False))
+    print(line)
+    assert line.startswith("CUDA out of memory. Tried to allocate") and "total capacity of" in line
+    assert line.endswith(
+        "lower train.chunk_size (now 128; a step's memory grows with the chunk, not with the batch)"
+    )
+
+
 @pytest.mark.service
 def test_service_runs_two_steps_on_a_gpu_worker(ray_cluster, glyphs_root: Path, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient

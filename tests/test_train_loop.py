@@ -259,3 +259,29 @@ def test_compiled_channels_last_loop_computes_the_eager_step(
     for name in ("fast", "pytorch_convs"):
         assert first[name][0] == pytest.approx(first["eager"][0], rel=1e-5)
         assert first[name][1] == pytest.approx(first["eager"][1], rel=1e-4)
+
+
+def test_out_of_gpu_memory_names_the_setting_that_bounds_it() -> None:
+    """A CUDA out-of-memory error is retried by Ray Train as a fault, and fails the same way at the same
+    shapes: the loop ends the run on it with one line (torch's account of the allocation, then the key).
+    The message is torch's own format (a real one is checked in tests/test_gpu.py on a GPU)."""
+    from dmltrain.service.errors import as_fatal
+    from dmltrain.service.train import DeviceMemoryError, device_memory_error
+
+    config = load_config(REPO / "configs" / "sop_smoothap_b16k.yaml", ["model.weights=null"])
+    exc = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 12.25 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+        "3.06 GiB is free. Including non-PyTorch memory, this process has 76.12 GiB memory in use. If "
+        "reserved but unallocated memory is large try setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    )
+    step = device_memory_error(exc, config, evaluating=False)
+    assert isinstance(step, DeviceMemoryError) and str(step) == (
+        "CUDA out of memory. Tried to allocate 12.25 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+        "3.06 GiB is free: lower train.chunk_size (now 256; a step's memory grows with the chunk, not with "
+        "the batch)"
+    )
+    evaluation = device_memory_error(exc, config, evaluating=True)
+    assert str(evaluation).endswith("is free: lower eval.batch_size (now 512)")
+    fatal = as_fatal(step, 3, "step 7", explained=True)
+    assert str(fatal).startswith("rank 3 step 7: DeviceMemoryError: CUDA out of memory.") and fatal.explained

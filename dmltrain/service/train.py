@@ -77,6 +77,25 @@ class NonFiniteLossError(RuntimeError):
     """Too many consecutive steps produced a NaN/inf loss or gradient: the run is diverging."""
 
 
+class DeviceMemoryError(RuntimeError):
+    """A training step or an evaluation batch does not fit the GPU: the same shapes fail the same way after
+    a restart, so Ray Train's retries would only repeat it (and end in a traceback)."""
+
+
+def device_memory_error(
+    exc: torch.OutOfMemoryError, config: ExperimentConfig, evaluating: bool
+) -> DeviceMemoryError:
+    """torch's account of the failed allocation (its first sentences: what was asked, what the GPU has and
+    holds) and the setting that bounds that memory."""
+    account = ". ".join(str(exc).strip().splitlines()[0].split(". ")[:3]).rstrip(".")
+    if evaluating:
+        knob = f"eval.batch_size (now {config.eval.batch_size})"
+    else:
+        chunk = min(config.train.chunk_size, config.local_batch_size)
+        knob = f"train.chunk_size (now {chunk}; a step's memory grows with the chunk, not with the batch)"
+    return DeviceMemoryError(f"{account}: lower {knob}")
+
+
 @dataclass(frozen=True)
 class _StepStats:
     """What one training step reports to the log window."""
@@ -807,3 +826,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     except (*FATAL_IN_LOOP, NonFiniteLossError) as exc:
         # The message names the sample and shard, or the step that diverged: the traceback adds nothing.
         raise as_fatal(exc, ray_ctx.rank, loop.where(), explained=True) from exc
+    except torch.OutOfMemoryError as exc:
+        error = device_memory_error(exc, config, loop.evaluating)
+        raise as_fatal(error, ray_ctx.rank, loop.where(), explained=True) from exc
