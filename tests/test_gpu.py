@@ -267,7 +267,7 @@ def test_a_step_too_large_for_the_gpu_is_one_line_naming_the_chunk() -> None:
     from dmltrain.service.train import device_memory_error
 
     config = load_config(REPO / "configs" / "quickstart.yaml")
-    with pytest.raises(torch.OutOfMemoryError) as caught:
+    with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
         torch.empty(2**50, dtype=torch.uint8, device=CUDA)
     line = str(device_memory_error(caught.value, config, evaluating=False))
     print(line)

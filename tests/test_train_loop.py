@@ -269,7 +269,7 @@ def test_out_of_gpu_memory_names_the_setting_that_bounds_it() -> None:
     from dmltrain.service.train import DeviceMemoryError, device_memory_error
 
     config = load_config(REPO / "configs" / "sop_smoothap_b16k.yaml", ["model.weights=null"])
-    exc = torch.OutOfMemoryError(
+    exc = torch.cuda.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 12.25 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
         "3.06 GiB is free. Including non-PyTorch memory, this process has 76.12 GiB memory in use. If "
         "reserved but unallocated memory is large try setting "

@@ -107,7 +107,7 @@ def crops(
     if off_the_gil and not _SCRIPT_FAILED:
         try:
             return scripted_crops()(*args)
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:
             raise
         except RuntimeError as exc:
             out = crops_resampled(*args)

@@ -83,7 +83,7 @@ class DeviceMemoryError(RuntimeError):
 
 
 def device_memory_error(
-    exc: torch.OutOfMemoryError, config: ExperimentConfig, evaluating: bool
+    exc: torch.cuda.OutOfMemoryError, config: ExperimentConfig, evaluating: bool
 ) -> DeviceMemoryError:
     """torch's account of the failed allocation (its first sentences: what was asked, what the GPU has and
     holds) and the setting that bounds that memory."""
@@ -826,6 +826,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     except (*FATAL_IN_LOOP, NonFiniteLossError) as exc:
         # The message names the sample and shard, or the step that diverged: the traceback adds nothing.
         raise as_fatal(exc, ray_ctx.rank, loop.where(), explained=True) from exc
-    except torch.OutOfMemoryError as exc:
+    except torch.cuda.OutOfMemoryError as exc:
         error = device_memory_error(exc, config, loop.evaluating)
         raise as_fatal(error, ray_ctx.rank, loop.where(), explained=True) from exc
