@@ -107,8 +107,8 @@ def test_only_running_out_of_shared_memory_is_explained() -> None:
 @needs_namespace
 def test_the_loaders_keep_what_they_estimate(glyphs_root: Path) -> None:
     """Measured on a /dev/shm of its own, with 2 worker processes each: the file system's peak use while a
-    training loader runs, and while an evaluation's is read slowly (its prefetch queue full), against
-    the estimates."""
+    training loader runs, and while an evaluation's reader holds a batch for 10 s (its workers' prefetch
+    queue fills, however slow the machine), against the estimates."""
     proc = with_small_shm(
         256,
         """
@@ -130,9 +130,10 @@ def test_the_loaders_keep_what_they_estimate(glyphs_root: Path) -> None:
         del loader
         before, peak = shared_memory_size()[1], 0
         for i, _ in enumerate(EvalLoader(sys.argv[1], "test", 64, **layout)):
-            time.sleep(0.1)
-            peak = max(peak, used())
-            if i == 20:
+            if i == 2:  # a slow reader: the workers fill their prefetch queue while it holds a batch
+                for _ in range(100):
+                    time.sleep(0.1)
+                    peak = max(peak, used())
                 break
         print("eval", peak, eval_loader_bytes(64, 2, 64))
         """,

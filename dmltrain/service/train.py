@@ -815,12 +815,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     config = ExperimentConfig.model_validate(loop_config["config"])
     # Errors no restart can fix end the run at once (dmltrain.service.errors); anything else, e.g. a peer
     # lost mid-collective, propagates as is and Ray restarts the group from the last checkpoint.
+    if not loop_config.get("full_tracebacks", False):
+        shorten_explained_errors(WORKER_LOGGERS)
     try:
         loop = WorkerLoop(config, loop_config["mlflow_run_id"], loop_config["tracking_uri"], ray_ctx)
     except FATAL_IN_SETUP as exc:
-        raise as_fatal(exc, ray_ctx.rank, "setup") from exc
-    if not loop_config.get("full_tracebacks", False):
-        shorten_explained_errors(WORKER_LOGGERS)
+        # A node short of shared memory is the whole story; a config error here (the driver checks them
+        # all first) keeps its traceback.
+        explained = isinstance(exc, SharedMemoryError)
+        raise as_fatal(exc, ray_ctx.rank, "setup", explained=explained) from exc
     try:
         loop.run()
     except (*FATAL_IN_LOOP, NonFiniteLossError) as exc:
