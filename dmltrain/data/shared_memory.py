@@ -49,7 +49,7 @@ def train_loader_bytes(
     """Shared memory a `TrainLoader` of one rank holds once running: every worker's buffers for
     `prefetch_factor` + 1 steps, which together hold that many local batches (the parts of a step add up to
     `batch_size`). Decoded on the CPU a batch is its uint8 images; decoded on the device it is the JPEG
-    bytes plus the `host_decode_share` of images the workers decode. None with no worker processes."""
+    bytes plus the `host_decode_share` of images the workers decode. 0 with no worker processes."""
     if loader_workers == 0:
         return 0
     side = 3 * image_size * image_size

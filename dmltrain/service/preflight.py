@@ -182,7 +182,7 @@ def shared_memory_config_problem(
         encoded_bytes_per_image=encoded_bytes_per_image(info, data.train_split),
     )
     # An evaluation's loader starts no more workers than a rank has shards of the split.
-    shards = max(len(info.split(s).shards) for s in info.evaluated_splits)
+    shards = max((len(info.split(s).shards) for s in info.evaluated_splits), default=0)
     eval_workers = min(data.loader_workers, math.ceil(shards / config.scaling.num_workers))
     per_rank += eval_loader_bytes(config.eval.batch_size, eval_workers, side)
     what = (
