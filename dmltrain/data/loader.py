@@ -52,7 +52,7 @@ from dmltrain.data.shards import Sample, read_shard
 from dmltrain.data.shared_memory import (
     encoded_bytes_per_image,
     eval_loader_bytes,
-    explain_shared_memory_error,
+    shared_memory_explained,
     train_loader_bytes,
 )
 from dmltrain.data.slots import SlotReader, SlotRef, WorkerSlots, released_counter
@@ -532,14 +532,8 @@ class TrainLoader:
                 self._source = self._joiner.get
             else:  # one part is the batch: nothing to join, and no thread beside the caller's RNG use
                 self._source = lambda: self._finish(read())
-        try:
+        with shared_memory_explained(self.shared_memory_bytes, "this rank's training loader"):
             step, (images, labels, categories), keys, states = self._source()
-        except RuntimeError as exc:
-            need = self.shared_memory_bytes()
-            error = explain_shared_memory_error(exc, need, "this rank's training loader")
-            if error is None:
-                raise
-            raise error from exc
         if len(labels) != self.batch_size or step != self.step:
             raise RuntimeError(f"step {self.step}: got step {step} with {len(labels)} images")
         self._worker_states = states
@@ -718,11 +712,6 @@ class EvalLoader:
             return
         workers = min(self.num_workers, len(self._urls))
         dataset = EvalStream(self._urls, self.batch_size, self.transform, self.with_shards)
-        try:
+        need = functools.partial(eval_loader_bytes, self.batch_size, workers, self.image_size)
+        with shared_memory_explained(need, f"this rank's {self.split} loader"):
             yield from DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_as_is)
-        except RuntimeError as exc:
-            need = eval_loader_bytes(self.batch_size, workers, self.image_size)
-            error = explain_shared_memory_error(exc, need, f"this rank's {self.split} loader")
-            if error is None:
-                raise
-            raise error from exc

@@ -11,7 +11,9 @@ the failure that gets through (another process filled /dev/shm) into one line th
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 from dmltrain.data.errors import SharedMemoryError
@@ -52,13 +54,17 @@ def train_loader_bytes(
     bytes plus the `host_decode_share` of images the workers decode. 0 with no worker processes."""
     if loader_workers == 0:
         return 0
-    side = 3 * image_size * image_size
     if decode == "gpu":
-        per_image = (1 - host_decode_share) * encoded_bytes_per_image + host_decode_share * side
+        per_image = (1 - host_decode_share) * encoded_bytes_per_image + host_decode_share * 3 * image_size**2
         per_image += _ENCODED_EXTRA_BYTES
     else:
-        per_image = side + _LABEL_BYTES
+        per_image = _decoded_bytes(image_size)
     return int((prefetch_factor + 1) * batch_size * per_image)
+
+
+def _decoded_bytes(image_size: int) -> int:
+    """A decoded part's bytes an image: its uint8 pixels, label and category."""
+    return 3 * image_size * image_size + _LABEL_BYTES
 
 
 def encoded_bytes_per_image(info: DatasetInfo, split: str) -> float:
@@ -75,7 +81,7 @@ def eval_loader_bytes(batch_size: int, loader_workers: int, image_size: int, pre
     and the one being read."""
     if loader_workers == 0:
         return 0
-    return (loader_workers * prefetch_factor + 1) * batch_size * (3 * image_size * image_size + _LABEL_BYTES)
+    return (loader_workers * prefetch_factor + 1) * batch_size * _decoded_bytes(image_size)
 
 
 def shared_memory_size(path: str = SHM_DIR) -> tuple[int, int] | None:
@@ -117,3 +123,16 @@ def explain_shared_memory_error(exc: BaseException, need: int, what: str) -> Sha
         f"a loader worker ran out of shared memory ({held}), where {what} keeps about {_amount(need)}: "
         f"{SHM_HINT}"
     )
+
+
+@contextlib.contextmanager
+def shared_memory_explained(need: Callable[[], int], what: str) -> Iterator[None]:
+    """Around a loader's reads: a failure for want of shared memory leaves as `explain_shared_memory_error`'s
+    `SharedMemoryError` (`need` is evaluated only then), any other error as it was."""
+    try:
+        yield
+    except RuntimeError as exc:
+        error = explain_shared_memory_error(exc, need(), what)
+        if error is None:
+            raise
+        raise error from exc
