@@ -352,6 +352,46 @@ def test_an_image_the_device_decoder_refuses_is_decoded_by_pil(
     )
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_gpu_out_of_memory_while_decoding_is_one_line_not_a_pil_fallback(
+    jpegs: Path, workers: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full GPU is not the images' fault: before, the decoder took the CUDA error for a refused batch and
+    decoded every image with PIL, a warning each, until the step itself ran out. Now it leaves the loader
+    as a `DecodeMemoryError` (still a CUDA out-of-memory error), which the worker loop turns into one line
+    naming what to change. The GPU's failure is stood in for: this machine has no CUDA."""
+    from dmltrain.data import device_decode
+    from dmltrain.data.errors import DecodeMemoryError
+    from dmltrain.service.train import device_memory_error
+
+    account = "CUDA out of memory. Tried to allocate 96.00 MiB. GPU 0 has a total capacity of 79.19 GiB of "
+    account += "which 20.00 MiB is free. Including non-PyTorch memory, this process has 79.1 GiB in use."
+
+    def full_gpu(*args: Any, **kwargs: Any) -> Any:
+        raise torch.cuda.OutOfMemoryError(account)
+
+    monkeypatch.setattr(device_decode, "decode_jpeg", full_gpu)
+    source = loader(jpegs, "gpu", workers=workers)
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="dmltrain.data.device_decode"),
+            pytest.raises(DecodeMemoryError) as caught,
+        ):
+            source.next_batch()
+    finally:
+        source.close()
+    assert isinstance(caught.value, torch.cuda.OutOfMemoryError) and "decoded by PIL" not in caplog.text
+    config = load_config(
+        REPO / "configs" / "sop_smoothap_b16k.yaml", ["model.weights=null", "data.decode=auto"]
+    )
+    assert str(device_memory_error(caught.value, config, evaluating=False)) == (
+        "CUDA out of memory. Tried to allocate 96.00 MiB. GPU 0 has a total capacity of 79.19 GiB of which "
+        "20.00 MiB is free (decoding a batch's JPEGs on the GPU, data.decode=auto): lower train.chunk_size "
+        "(now 256) to leave the decoder room beside the step, or set data.decode=cpu (the loader workers "
+        "decode)"
+    )
+
+
 def test_encoded_parts_join_in_order(jpegs: Path) -> None:
     urls = load_dataset_info(jpegs).shard_urls(jpegs, "train")
     augment = train_transform(32)

@@ -253,6 +253,8 @@ class DeviceDecoder:
         header's, the images are decoded one by one, falling back to PIL."""
         try:
             images = decode_jpeg(views, mode=ImageReadMode.RGB, device=self.device)
+        except torch.cuda.OutOfMemoryError:
+            raise  # not the images' fault: PIL one by one would hide it behind a warning per image
         except RuntimeError:
             images = [None] * len(views)
         out = []
@@ -269,6 +271,8 @@ class DeviceDecoder:
             if tuple(image.shape) == shape:
                 return image
             why = f"decoded shape {tuple(image.shape)}, header says {shape}"
+        except torch.cuda.OutOfMemoryError:
+            raise
         except RuntimeError as exc:
             why = first_line(exc)
         data = view.numpy().tobytes()

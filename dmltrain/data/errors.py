@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from dmltrain.data.shards import Sample
 
@@ -25,6 +27,13 @@ class SamplingError(RuntimeError):
 class SharedMemoryError(RuntimeError):
     """The loader workers cannot get the shared memory (/dev/shm) their batches cross in: the same on every
     attempt until the node's /dev/shm grows or the batch a rank shrinks (`dmltrain.data.shared_memory`)."""
+
+
+class DecodeMemoryError(torch.cuda.OutOfMemoryError):
+    """The GPU ran out of memory while decoding a batch's JPEGs (data.decode=gpu): the decoder shares the
+    GPU with the training step, so the step's memory, not the decode's (`decode_batch` images at a time),
+    is what to lower, or the decoding moves to the loader workers. A CUDA out-of-memory error, so code
+    that handles those still does."""
 
 
 def sample_name(key: str, url: str) -> str:

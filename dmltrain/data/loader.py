@@ -44,7 +44,7 @@ from dmltrain.data.device_decode import (
     joined,
     resolve_decode,
 )
-from dmltrain.data.errors import SampleError, unusable_sample
+from dmltrain.data.errors import DecodeMemoryError, SampleError, unusable_sample
 from dmltrain.data.metadata import DatasetInfo, load_dataset_info
 from dmltrain.data.plan import TrainPlan
 from dmltrain.data.sampling import Batcher, PoolBatcher, ReservoirBatcher, SamplerSpec, TripletBatcher
@@ -558,7 +558,10 @@ class TrainLoader:
         step, joined, keys, states = item
         if isinstance(joined, EncodedPart):
             assert self._decoder is not None
-            images: Tensor = self._decoder(joined, keys)
+            try:
+                images: Tensor = self._decoder(joined, keys)
+            except torch.cuda.OutOfMemoryError as exc:
+                raise DecodeMemoryError(str(exc)) from exc
             joined = (images, joined.labels, joined.categories)
         return step, joined, keys, states
 

@@ -32,7 +32,7 @@ from dmltrain.acceleration import (
     resolve_small_conv_matmul,
 )
 from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
-from dmltrain.data.errors import SharedMemoryError
+from dmltrain.data.errors import DecodeMemoryError, SharedMemoryError
 from dmltrain.data.loader import WorkerPriority
 from dmltrain.distributed import all_gather_objects, broadcast_object
 from dmltrain.engine import global_batch_step
@@ -88,10 +88,16 @@ def device_memory_error(
     """torch's account of the failed allocation (its first sentences: what was asked, what the GPU has and
     holds) and the setting that bounds that memory."""
     account = ". ".join(str(exc).strip().splitlines()[0].split(". ")[:3]).rstrip(".")
+    chunk = min(config.train.chunk_size, config.local_batch_size)
+    if isinstance(exc, DecodeMemoryError):
+        return DeviceMemoryError(
+            f"{account} (decoding a batch's JPEGs on the GPU, data.decode={config.data.decode}): lower "
+            f"train.chunk_size (now {chunk}) to leave the decoder room beside the step, or set "
+            "data.decode=cpu (the loader workers decode)"
+        )
     if evaluating:
         knob = f"eval.batch_size (now {config.eval.batch_size})"
     else:
-        chunk = min(config.train.chunk_size, config.local_batch_size)
         knob = f"train.chunk_size (now {chunk}; a step's memory grows with the chunk, not with the batch)"
     return DeviceMemoryError(f"{account}: lower {knob}")
 
