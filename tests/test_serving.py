@@ -115,6 +115,7 @@ def test_pyfunc_round_trip_in_a_fresh_process(served: Served, tmp_path: Path) ->
         """
     )
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["TMPDIR"] = str(tmp_path)  # mlflow.pyfunc.load_model's downloads are never removed
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
     )
@@ -449,7 +450,8 @@ def test_checkpoint_scores_rank_checkpoints_as_the_tracker_does() -> None:
 
 def test_logging_a_model_draws_no_download_bars(served: Served, tmp_path: Path) -> None:
     # MLflow loads a logged model back to check its input example: a local "download" that drew two bars
-    # per model in every run's output (seen in a fresh process and store, as a run's driver has them).
+    # per model in every run's output (seen in a fresh process and store, as a run's driver has them);
+    # and every `dmltrain index/search/serve` of a runs:/ model drew them too.
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     code = textwrap.dedent(
         f"""
@@ -461,6 +463,10 @@ def test_logging_a_model_draws_no_download_bars(served: Served, tmp_path: Path) 
         run = client.create_run(ensure_experiment(client, {uri!r}, "quiet"))
         log_embedding_model({uri!r}, run.info.run_id, "model", {str(served.weights)!r}, step=3)
         assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ  # the process's setting is restored
+        # Loading it back from the local store (dmltrain evaluate/index/search/serve): no bars either.
+        from dmltrain.service.serving.loading import load_embedding_model
+        load_embedding_model("runs:/" + run.info.run_id + "/model", {uri!r})
+        assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ
         """
     )
     drawn = ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "TQDM_DISABLE")  # conftest turns tqdm off for the suite
@@ -469,3 +475,137 @@ def test_logging_a_model_draws_no_download_bars(served: Served, tmp_path: Path) 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Validating input example" in done.stderr  # the step that drew them ran
     assert "Downloading artifacts" not in done.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _post(url: str, body: dict) -> dict:
+    import urllib.request
+
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def test_an_index_served_over_http_returns_what_search_prints(
+    served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dmltrain index` logs the search model (index + model) to the run; `mlflow.pyfunc.load_model` on it,
+    `dmltrain serve` (MLflow's scoring server, a real HTTP server) and `dmltrain serve --save` all return
+    the neighbours `dmltrain search` prints. SIGTERM stops the server's processes and removes its copy."""
+    import base64
+    import signal
+    import time
+    import urllib.error
+    import urllib.request
+
+    import mlflow
+    import pandas as pd
+
+    index_dir = tmp_path / "idx"
+    model = f"runs:/{served.run_id}/model"
+    tracking = ["--tracking-uri", served.tracking_uri]
+    assert cli(["index", model, str(served.glyphs), "--out", str(index_dir), *tracking]) == 0
+    search_model = f"runs:/{served.run_id}/search_glyphs_test"
+    assert f"search model: {search_model} (serve it: mlflow models serve -m {search_model}" in (
+        capsys.readouterr().out
+    )
+    samples = _test_samples(served.glyphs, 3)
+    files = []
+    for i, (_key, data, _cls) in enumerate(samples):
+        files.append(tmp_path / f"q{i}.png")
+        files[-1].write_bytes(data)
+    assert cli(["search", str(index_dir), *map(str, files), "-k", "4", "--json", *tracking]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    expected = [
+        (query, rank, hit["id"], hit["key"], hit["class"], hit["class_name"], hit["score"])
+        for query, result in enumerate(printed)
+        for rank, hit in enumerate(result["neighbours"], 1)
+    ]
+    assert len(expected) == 12 and [e[3] for e in expected[::4]] == [key for key, _, _ in samples]
+
+    def rows(table: pd.DataFrame | list[dict]) -> list[tuple]:
+        records = table.to_dict("records") if isinstance(table, pd.DataFrame) else table
+        return [
+            (r["query"], r["rank"], r["id"], r["key"], r["class"], r["class_name"], r["score"])
+            for r in records
+        ]
+
+    def assert_same(got: list[tuple]) -> None:
+        assert [g[:6] for g in got] == [e[:6] for e in expected]
+        np.testing.assert_allclose([g[6] for g in got], [e[6] for e in expected], atol=1e-5)
+
+    images = pd.DataFrame({"image": [data for _, data, _ in samples]})
+    mlflow.set_tracking_uri(served.tracking_uri)
+    try:
+        logged = mlflow.pyfunc.load_model(search_model, dst_path=str(tmp_path / "download"))
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert_same(rows(logged.predict(images, params={"k": 4})))
+    assert "k" in str(logged.metadata.signature.params)
+
+    saved = tmp_path / "saved_search_model"
+    assert cli(["serve", str(index_dir), "--save", str(saved), *tracking]) == 0
+    count = load_dataset_info(served.glyphs).split("test").num_samples
+    assert capsys.readouterr().out == f"{saved}: search model of {count} images, glyphs/test\n"
+    assert_same(rows(mlflow.pyfunc.load_model(str(saved)).predict(images, params={"k": 4})))
+    assert cli(["serve", str(index_dir), "--save", str(saved), *tracking]) == 2
+    assert f"{saved} exists" in capsys.readouterr().err
+    config = load_config(
+        REPO / "configs" / "quickstart.yaml",
+        [f"data.root={served.glyphs}", "data.prepare=null", "model.embedding_dim=16"],
+    )
+    other = save_weights(tmp_path / "other.pt", build_network(config).state_dict(), config.model_dump(), 1)
+    args = ["serve", str(index_dir), "--save", str(tmp_path / "mismatch"), "--model", str(other)]
+    assert cli([*args, *tracking]) == 2
+    assert capsys.readouterr().err == (
+        f"dmltrain serve: error: {index_dir} holds 32-d embeddings but the model {other} makes 16-d ones: "
+        "give the model the index was built with\n"
+    )
+
+    port = _free_port()
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch), "MLFLOW_TRACKING_URI": served.tracking_uri}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "dmltrain.service.cli", "serve", str(index_dir), "--port", str(port)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, server.communicate()[0][-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2):
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, "the server did not answer /ping in 180 s"
+                time.sleep(0.5)
+        payload = [base64.b64encode(data).decode() for _, data, _ in samples]
+        answer = _post(
+            f"http://127.0.0.1:{port}/invocations",
+            {"dataframe_split": {"columns": ["image"], "data": [[p] for p in payload]}, "params": {"k": 4}},
+        )
+        assert_same(rows(answer["predictions"]))
+        assert [d.name for d in scratch.iterdir() if d.name.startswith("dmltrain-serve-")]  # its model copy
+    finally:
+        server.send_signal(signal.SIGTERM)
+        output = server.communicate(timeout=60)[0]
+    assert server.returncode == 0, output[-3000:]
+    assert f"POST http://127.0.0.1:{port}/invocations" in output
+    assert not [d for d in scratch.iterdir() if d.name.startswith("dmltrain-serve-")]
+    # Nothing of the server is left: uvicorn is a child of MLflow's process, not of dmltrain's.
+    leftover = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True).stdout
+    assert leftover == "", leftover

@@ -272,6 +272,10 @@ def _run_index(args: argparse.Namespace) -> int:
     )
     if "logged_to" in meta:
         print(f"logged to {meta['logged_to']}")
+        print(
+            f"search model: {meta['search_model']} (serve it: mlflow models serve -m {meta['search_model']} "
+            "--env-manager local)"
+        )
     return 0
 
 
@@ -327,6 +331,52 @@ def _run_search(args: argparse.Namespace) -> int:
     return 0
 
 
+def _register_serve(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Serve an index as a search service over HTTP: MLflow's model server on the index and its model "
+        "(POST /invocations with images, one row per neighbour back; GET /ping). Stops on Ctrl-C or SIGTERM."
+    )
+    parser.add_argument(
+        "index", help="index directory from `dmltrain index` (or runs:/<run_id>/indexes/<name>)"
+    )
+    parser.add_argument("--model", default=None, help="embed queries with this model instead of the index's")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: all)")
+    parser.add_argument("--port", type=_positive_int, default=5000)
+    parser.add_argument("--workers", type=_positive_int, default=1, help="server processes")
+    parser.add_argument(
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="write the search model to this new folder (for mlflow models serve/build-docker) and exit",
+    )
+    _add_tracking_uri(parser)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from dmltrain.service.serving.serve import save_search_model, serve_index
+
+    try:
+        if args.save:
+            from pathlib import Path
+
+            if Path(args.save).exists():
+                raise FileExistsError(f"{args.save} exists: give a new folder for the search model")
+            meta = save_search_model(args.index, args.save, model=args.model, tracking_uri=args.tracking_uri)
+            print(f"{args.save}: search model of {meta['ntotal']} images, {meta['dataset']}/{meta['split']}")
+            return 0
+        return serve_index(
+            args.index,
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            tracking_uri=args.tracking_uri,
+        )
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as exc:
+        print(f"dmltrain serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
 def _register_verify(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "1:1 template verification (IJB-C style) of a trained model: template features are media-averaged "
@@ -371,6 +421,7 @@ COMMANDS: dict[str, tuple[str, Register, Run]] = {
     "evaluate": ("evaluate a trained model on a prepared data set", _register_evaluate, _run_evaluate),
     "index": ("build a faiss index of a prepared split with a trained model", _register_index, _run_index),
     "search": ("nearest indexed images of query images", _register_search, _run_search),
+    "serve": ("serve an index as a search service over HTTP", _register_serve, _run_serve),
     "verify": ("1:1 template verification (TAR at FAR) of a trained model", _register_verify, _run_verify),
 }
 

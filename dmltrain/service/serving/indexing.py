@@ -3,7 +3,8 @@
 An index directory holds ``index.faiss``, ``ids.npz`` (row -> shard, key, class) and ``index.json`` (the
 index spec with every parameter, the model reference, data root, split, class names, build time). When the
 model is a run's (``runs:/`` or a registered version with a run) the directory is also logged to that run
-as ``indexes/<dataset>_<split>``.
+as ``indexes/<dataset>_<split>``, and with its model as the search pyfunc ``search_<dataset>_<split>``
+(`search_model`), which ``mlflow models serve`` serves.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from dmltrain.data.shards import read_shard
 from dmltrain.data.urls import is_local, local_path
 from dmltrain.index import IdMap, StoredIndex, build_index, choose_spec, load_index, save_index
 from dmltrain.inference import embed_batch, embed_images, image_tensor
-from dmltrain.service.serving.loading import LoadedModel, downloaded, is_mlflow_uri, load_embedding_model
+from dmltrain.service.serving.loading import (
+    LoadedModel,
+    downloaded,
+    is_mlflow_uri,
+    load_embedding_model,
+    located,
+)
 
 log = logging.getLogger("dmltrain.service.serving.indexing")
 
@@ -115,14 +122,29 @@ def build_split_index(
 
         from dmltrain.service.tracking import resolve_tracking_uri
 
-        MlflowClient(resolve_tracking_uri(tracking_uri)).log_artifacts(
-            model.run_id, str(target), f"indexes/{name}"
-        )
+        tracking = resolve_tracking_uri(tracking_uri)
+        MlflowClient(tracking).log_artifacts(model.run_id, str(target), f"indexes/{name}")
         meta["logged_to"] = f"runs:/{model.run_id}/indexes/{name}"
+        meta["search_model"] = log_search_model(
+            tracking, model.run_id, f"search_{name}", model_ref, target, step=model.step or 0
+        )
     meta.update(
         {"ntotal": built.ntotal, "description": spec.describe(), "build_seconds": built.build_seconds}
     )
     return target, meta
+
+
+def log_search_model(
+    tracking: str, run_id: str, name: str, model_ref: str, index_dir: Path, *, step: int
+) -> str:
+    """Log the index with its model as the search pyfunc ``name`` of ``run_id`` (`search_model`), so
+    ``mlflow models serve -m runs:/<run_id>/<name>`` serves it; returns that URI."""
+    from dmltrain.service.serving.pyfunc import log_pyfunc
+    from dmltrain.service.serving.search_model import search_parts
+
+    with located(model_ref, tracking) as (weights, _run_id):
+        log_pyfunc(tracking, run_id, name, search_parts(weights, index_dir), step=step)
+    return f"runs:/{run_id}/{name}"
 
 
 def open_index(ref: str | Path, tracking_uri: str | None = None) -> StoredIndex:
@@ -164,18 +186,27 @@ def search_images(
         normalize=model.preprocessing.normalizer(),
         names=[str(path) for path in images],
     )
+    found = neighbours(stored, embeddings, k)
+    return [SearchResult(str(path), hits) for path, hits in zip(images, found, strict=True)], model
+
+
+def neighbours(stored: StoredIndex, embeddings: np.ndarray, k: int) -> list[list[dict[str, Any]]]:
+    """Each query's ``k`` nearest indexed rows, best first: id, shard, key, class, score, class_name. Fewer
+    when the index holds fewer (faiss pads with -1, dropped here)."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
     scores, ids = stored.search(embeddings, k)
     names = stored.meta.get("class_names", {})
-    results = []
-    for path, row_scores, row_ids in zip(images, scores, ids, strict=True):
+    found = []
+    for row_scores, row_ids in zip(scores, ids, strict=True):
         hits = []
         for score, i in zip(row_scores, row_ids, strict=True):
             if i < 0:
                 continue
             hit = stored.ids.row(int(i))
             hits.append({**hit, "score": float(score), "class_name": names.get(str(hit["class"]))})
-        results.append(SearchResult(str(path), hits))
-    return results, model
+        found.append(hits)
+    return found
 
 
 def render_grid(

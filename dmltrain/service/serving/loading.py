@@ -98,6 +98,7 @@ def _download(ref: str, tracking_uri: str | None, directory: str) -> Path:
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    from dmltrain.service.serving.uris import is_local_store, no_artifact_bars
     from dmltrain.service.serving.uris import tracking_uri as tracking_uri_block
     from dmltrain.service.tracking import resolve_tracking_uri, sqlite_store_path
 
@@ -111,7 +112,7 @@ def _download(ref: str, tracking_uri: str | None, directory: str) -> Path:
         )
     try:
         # The logged-model lookup behind runs:/ reads the process-wide URI, not the argument.
-        with tracking_uri_block(uri):
+        with tracking_uri_block(uri), no_artifact_bars(is_local_store(uri)):
             return Path(
                 mlflow.artifacts.download_artifacts(artifact_uri=ref, tracking_uri=uri, dst_path=directory)
             )

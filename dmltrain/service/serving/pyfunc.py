@@ -11,12 +11,10 @@ so it loads where dmltrain is not installed, e.g. under ``mlflow models serve``.
 
 from __future__ import annotations
 
-import contextlib
 import io
-import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ import mlflow
 import numpy as np
 import torch
 
-from dmltrain.service.serving.uris import tracking_uri
+from dmltrain.service.serving.uris import no_artifact_bars, tracking_uri
 from dmltrain.service.serving.weights import WEIGHTS_FILE, load_weights
 
 WEIGHTS_ARTIFACT = "weights"
@@ -157,44 +155,58 @@ def _package_copy(directory: Path) -> Path:
     return target
 
 
-@contextlib.contextmanager
-def _quiet_validation() -> Iterator[None]:
-    """Without MLflow's download bars: logging a model loads it back to check the input example, and each
-    such local "download" drew two bars in the run's output. A user's own MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR
-    is left as it is."""
-    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
-    if name in os.environ:
-        yield
-        return
-    os.environ[name] = "false"
-    try:
-        yield
-    finally:
-        os.environ.pop(name, None)
+@dataclass(frozen=True)
+class PyfuncParts:
+    """What a dmltrain pyfunc is made of, whether logged to a run or saved to a folder: the "model from
+    code" file, its artifacts (name -> local path), signature, input example, pinned requirements."""
+
+    code_file: Path
+    artifacts: dict[str, str]
+    signature: Any
+    example: Any
+    requirements: list[str]
+    metadata: dict[str, Any]
 
 
-def log_embedding_model(
-    tracking: str,
-    run_id: str,
-    name: str,
-    weights_file: str | Path,
-    *,
-    step: int,
-    tags: dict[str, str] | None = None,
-) -> Any:
-    """Log ``weights_file`` (see :mod:`.weights`) as the pyfunc ``name`` of ``run_id``; returns ModelInfo.
-
-    ``runs:/<run_id>/<name>`` then resolves to it (the newest one when a relaunch logs it again)."""
+def embedding_parts(weights_file: str | Path, step: int | None = None) -> PyfuncParts:
+    """The embedding pyfunc of a weights file (see :mod:`.weights`); ``step`` defaults to the file's."""
     import pandas as pd
-    from mlflow.models import Model
 
     saved = load_weights(weights_file)
     model_cfg, data_cfg = saved["config"]["model"], saved["config"]["data"]
     side = (
         (saved.get("preprocess") or {}).get("resize") or data_cfg.get("resize") or data_cfg.get("image_size")
     )
-    example = pd.DataFrame({"image": [_example_png(int(side or 224))]})
-    with tempfile.TemporaryDirectory() as tmp, tracking_uri(tracking), _quiet_validation():
+    step = int(saved.get("step") or 0) if step is None else step
+    return PyfuncParts(
+        code_file=_MODEL_CODE,
+        artifacts={WEIGHTS_ARTIFACT: str(weights_file)},
+        signature=signature(int(model_cfg["embedding_dim"])),
+        example=pd.DataFrame({"image": [_example_png(int(side or 224))]}),
+        requirements=pip_requirements(str(model_cfg["backbone"])),
+        metadata={
+            "dmltrain_weights_file": WEIGHTS_FILE,
+            "dmltrain_step": step,
+            "dmltrain_embedding_dim": int(model_cfg["embedding_dim"]),
+        },
+    )
+
+
+def log_pyfunc(
+    tracking: str,
+    run_id: str,
+    name: str,
+    parts: PyfuncParts,
+    *,
+    step: int,
+    tags: dict[str, str] | None = None,
+) -> Any:
+    """Log ``parts`` as the pyfunc ``name`` of ``run_id``; returns ModelInfo.
+
+    ``runs:/<run_id>/<name>`` then resolves to it (the newest one when a relaunch logs it again)."""
+    from mlflow.models import Model
+
+    with tempfile.TemporaryDirectory() as tmp, tracking_uri(tracking), no_artifact_bars():
         code = _package_copy(Path(tmp))
         # Created here because Model.log without an active run files the model under the default
         # experiment, where `runs:/<run_id>/<name>` (which searches the run's experiment) cannot find it.
@@ -211,15 +223,47 @@ def log_embedding_model(
             artifact_path=None,
             name=name,
             flavor=mlflow.pyfunc,
-            python_model=str(_MODEL_CODE),
-            artifacts={WEIGHTS_ARTIFACT: str(weights_file)},
+            python_model=str(parts.code_file),
+            artifacts=parts.artifacts,
             code_paths=[str(code)],
-            signature=signature(int(model_cfg["embedding_dim"])),
-            input_example=example,
-            pip_requirements=pip_requirements(str(model_cfg["backbone"])),
+            signature=parts.signature,
+            input_example=parts.example,
+            pip_requirements=parts.requirements,
             run_id=run_id,
             step=step,
             model_id=logged.model_id,
-            metadata={"dmltrain_weights_file": WEIGHTS_FILE, "dmltrain_step": step},
+            metadata=parts.metadata,
             flavor_name="pyfunc.ModelFromCode",  # what mlflow.pyfunc.log_model passes for a code file
         )
+
+
+def save_pyfunc(path: str | Path, parts: PyfuncParts) -> Path:
+    """Write ``parts`` as an MLflow model folder at ``path`` (which must not exist): what
+    ``mlflow models serve -m <path>`` serves and ``mlflow.pyfunc.load_model`` loads, no store needed."""
+    with tempfile.TemporaryDirectory() as tmp, no_artifact_bars():
+        code = _package_copy(Path(tmp))
+        mlflow.pyfunc.save_model(
+            str(path),
+            python_model=str(parts.code_file),
+            artifacts=parts.artifacts,
+            code_paths=[str(code)],
+            signature=parts.signature,
+            input_example=parts.example,
+            pip_requirements=parts.requirements,
+            metadata=parts.metadata,
+        )
+    return Path(path)
+
+
+def log_embedding_model(
+    tracking: str,
+    run_id: str,
+    name: str,
+    weights_file: str | Path,
+    *,
+    step: int,
+    tags: dict[str, str] | None = None,
+) -> Any:
+    """Log ``weights_file`` (see :mod:`.weights`) as the embedding pyfunc ``name`` of ``run_id``."""
+    parts = embedding_parts(weights_file, step)
+    return log_pyfunc(tracking, run_id, name, parts, step=step, tags=tags)

@@ -1,0 +1,140 @@
+"""`dmltrain serve`: an index directory (local or logged to a run) as a search service over HTTP.
+
+The service is MLflow's own scoring server (``mlflow models serve``) on the search pyfunc of the index and
+its model (`search_model`), saved to a temporary folder for as long as it serves: ``POST /invocations``
+with the images, ``GET /ping`` for health. Nothing here handles requests, so what MLflow documents for
+its model servers (request formats, workers, timeouts) holds as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from dmltrain.service.serving.loading import downloaded, is_mlflow_uri, located
+from dmltrain.service.serving.pyfunc import save_pyfunc
+from dmltrain.service.serving.search_model import search_parts
+
+
+@contextlib.contextmanager
+def _index_dir(ref: str, tracking_uri: str | None) -> Iterator[Path]:
+    if is_mlflow_uri(ref):
+        with downloaded(ref, tracking_uri) as local:
+            yield local
+        return
+    path = Path(ref).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"index not found: {ref} (an index directory or runs:/<run_id>/indexes/<name>)"
+        )
+    yield path
+
+
+def save_search_model(
+    index: str, out: str | Path, *, model: str | None = None, tracking_uri: str | None = None
+) -> dict[str, Any]:
+    """Write the search pyfunc of ``index`` (with the model it was built with, or ``model``) to ``out``;
+    returns the index's metadata."""
+    from dmltrain.index import load_index
+
+    with _index_dir(index, tracking_uri) as index_dir:
+        meta = load_index(index_dir).meta
+        with located(model or meta["model"], tracking_uri) as (weights, _run_id):
+            save_pyfunc(out, search_parts(weights, index_dir))
+    return meta
+
+
+def serve_command(model_dir: Path, host: str, port: int, workers: int) -> list[str]:
+    """MLflow's scoring server on a saved model, in this Python environment (no new one is built)."""
+    return [
+        *(sys.executable, "-m", "mlflow", "models", "serve", "-m", str(model_dir)),
+        *("--env-manager", "local", "--host", host, "--port", str(port), "--workers", str(workers)),
+    ]
+
+
+def server_environment() -> dict[str, str]:
+    """This environment with this Python's scripts first on PATH: MLflow starts the server as `uvicorn`
+    through a shell, which a venv's dmltrain run by its full path (venv not activated) would not find.
+    Without download bars (MLflow copies the local model folder it serves) unless the user asks."""
+    env = dict(os.environ)
+    env.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    scripts = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([scripts, env["PATH"]]) if env.get("PATH") else scripts
+    return env
+
+
+def _signal_group(server: subprocess.Popen[bytes], signum: int) -> bool:
+    """Signal the server's process group; False when none of it is left."""
+    try:
+        os.killpg(server.pid, signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _end_group(server: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    """Wait until every process of the server's group is gone (uvicorn shuts down after MLflow's process
+    has exited), so its model folder can go; SIGKILL what is still there after ``grace`` seconds."""
+    if server.poll() is None:
+        _signal_group(server, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _signal_group(server, 0) and time.monotonic() < deadline:
+        server.poll()  # reaps MLflow's process: a zombie still counts as a member of the group
+        time.sleep(0.1)
+    if _signal_group(server, signal.SIGKILL):
+        server.wait()
+
+
+def serve_index(
+    index: str,
+    *,
+    model: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 5000,
+    workers: int = 1,
+    tracking_uri: str | None = None,
+) -> int:
+    """Serve ``index`` until interrupted (Ctrl-C or SIGTERM, passed on to the server's processes); the
+    saved model is removed when the server stops. Returns the server's exit status (0 when stopped by a
+    signal)."""
+    with tempfile.TemporaryDirectory(prefix="dmltrain-serve-") as tmp:
+        model_dir = Path(tmp) / "search_model"
+        meta = save_search_model(index, model_dir, model=model, tracking_uri=tracking_uri)
+        print(
+            f"serving {index}: {meta['ntotal']} images of {meta['dataset']}/{meta['split']} "
+            f"({meta['description']}), model {model or meta['model']}\n"
+            f"POST http://{host}:{port}/invocations "
+            '{"dataframe_split": {"columns": ["image"], "data": [[<base64 image>]]}, "params": {"k": 10}}',
+            flush=True,
+        )
+        # Its own process group: MLflow's command runs uvicorn as a child of its own, which a signal to
+        # MLflow's process alone would leave serving.
+        server = subprocess.Popen(
+            serve_command(model_dir, host, port, workers), env=server_environment(), start_new_session=True
+        )
+        stopped: list[int] = []
+
+        def stop(signum: int, _frame: FrameType | None) -> None:
+            stopped.append(signum)
+            _signal_group(server, signal.SIGTERM)
+
+        previous = signal.signal(signal.SIGTERM, stop)
+        try:
+            code = server.wait()
+        except KeyboardInterrupt:
+            stopped.append(signal.SIGINT)
+            _signal_group(server, signal.SIGTERM)
+            code = server.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            _end_group(server)
+        return 0 if stopped else code
