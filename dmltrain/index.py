@@ -322,6 +322,24 @@ class StoredIndex:
     def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         return self.index.search(queries, k)
 
+    def neighbours(self, queries: Any, k: int) -> list[list[dict[str, Any]]]:
+        """Each query's ``k`` nearest rows, best first, as the id map names them: id, shard, key, class,
+        score, class_name (from ``meta``, None when unknown). Fewer when the index holds fewer."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        scores, ids = self.search(queries, k)
+        names = self.meta.get("class_names", {})
+        found = []
+        for row_scores, row_ids in zip(scores, ids, strict=True):
+            hits = []
+            for score, i in zip(row_scores, row_ids, strict=True):
+                if i < 0:  # faiss pads a short list with -1
+                    continue
+                hit = self.ids.row(int(i))
+                hits.append({**hit, "score": float(score), "class_name": names.get(str(hit["class"]))})
+            found.append(hits)
+        return found
+
 
 def save_index(
     directory: str | os.PathLike[str], index: EmbeddingIndex, ids: IdMap, meta: Mapping[str, Any]

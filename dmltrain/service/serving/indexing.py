@@ -186,27 +186,8 @@ def search_images(
         normalize=model.preprocessing.normalizer(),
         names=[str(path) for path in images],
     )
-    found = neighbours(stored, embeddings, k)
+    found = stored.neighbours(embeddings, k)
     return [SearchResult(str(path), hits) for path, hits in zip(images, found, strict=True)], model
-
-
-def neighbours(stored: StoredIndex, embeddings: np.ndarray, k: int) -> list[list[dict[str, Any]]]:
-    """Each query's ``k`` nearest indexed rows, best first: id, shard, key, class, score, class_name. Fewer
-    when the index holds fewer (faiss pads with -1, dropped here)."""
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    scores, ids = stored.search(embeddings, k)
-    names = stored.meta.get("class_names", {})
-    found = []
-    for row_scores, row_ids in zip(scores, ids, strict=True):
-        hits = []
-        for score, i in zip(row_scores, row_ids, strict=True):
-            if i < 0:
-                continue
-            hit = stored.ids.row(int(i))
-            hits.append({**hit, "score": float(score), "class_name": names.get(str(hit["class"]))})
-        found.append(hits)
-    return found
 
 
 def render_grid(

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dmltrain.index import StoredIndex, load_index
 from dmltrain.service.serving.pyfunc import EmbeddingModel, PyfuncParts, embedding_parts
 
 INDEX_ARTIFACT = "index"
@@ -34,8 +35,6 @@ class SearchModel(EmbeddingModel):
     """The embedding model plus its index: predicts the neighbours of each input image."""
 
     def load_context(self, context: Any) -> None:
-        from dmltrain.index import load_index
-
         super().load_context(context)
         self.index = load_index(context.artifacts[INDEX_ARTIFACT])
         if self.index.index.dim != self.net.output_dim:
@@ -50,15 +49,13 @@ class SearchModel(EmbeddingModel):
         return neighbours_frame(self.index, embeddings, k)
 
 
-def neighbours_frame(stored: Any, embeddings: np.ndarray, k: int) -> Any:
-    """`indexing.neighbours` as a long table, one row per (query, neighbour)."""
+def neighbours_frame(stored: StoredIndex, embeddings: np.ndarray, k: int) -> Any:
+    """`StoredIndex.neighbours` as a long table, one row per (query, neighbour)."""
     import pandas as pd
-
-    from dmltrain.service.serving.indexing import neighbours
 
     rows = [
         {"query": query, "rank": rank, **hit}
-        for query, hits in enumerate(neighbours(stored, embeddings, k))
+        for query, hits in enumerate(stored.neighbours(embeddings, k))
         for rank, hit in enumerate(hits, 1)
     ]
     frame = pd.DataFrame(rows, columns=list(COLUMNS))
@@ -93,8 +90,6 @@ def _faiss_requirement() -> str:
 
 def search_parts(weights_file: str | Path, index_dir: str | Path) -> PyfuncParts:
     """The search pyfunc of a weights file and an index directory built with that model."""
-    from dmltrain.index import load_index
-
     index_meta = load_index(index_dir).meta  # a broken index fails here, naming its file
     embedding = embedding_parts(weights_file)
     model_dim = embedding.metadata["dmltrain_embedding_dim"]
