@@ -599,6 +599,13 @@ def test_an_index_served_over_http_returns_what_search_prints(
             {"dataframe_split": {"columns": ["image"], "data": [[p] for p in payload]}, "params": {"k": 4}},
         )
         assert_same(rows(answer["predictions"]))
+        # A request the model cannot answer is MLflow's 400, its trace ending in the line naming the input.
+        bad = {"dataframe_split": {"columns": ["image"], "data": [[payload[0]], ["bm90IGFuIGltYWdl"]]}}
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _post(f"http://127.0.0.1:{port}/invocations", bad)
+        assert refused.value.code == 400
+        trace = json.loads(refused.value.read())["stack_trace"].strip().splitlines()[-1]
+        assert trace.startswith("ValueError: image 1: cannot decode the image bytes"), trace
         assert [d.name for d in scratch.iterdir() if d.name.startswith("dmltrain-serve-")]  # its model copy
     finally:
         server.send_signal(signal.SIGTERM)
