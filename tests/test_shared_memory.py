@@ -214,6 +214,39 @@ def test_the_driver_refuses_a_run_whose_loaders_overflow_shm_before_ray_starts(
 
 
 @needs_namespace
+def test_a_sweep_whose_trial_overflows_shm_is_refused_before_ray_starts(
+    glyphs_root: Path, tmp_path: Path
+) -> None:
+    """`dmltrain sweep` checks every trial's loaders against this node's /dev/shm as a run's driver does,
+    naming the trial: before, the sweep started Ray and the parent run, and the trial failed inside Tune."""
+    import yaml
+
+    sweep = tmp_path / "sweep.yaml"
+    overrides = {"data.root": str(glyphs_root), "data.prepare": None, "data.loader_workers": 2}
+    overrides |= {"run.storage_path": str(tmp_path), "mlflow.tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}
+    variants = [
+        {"name": "64px", "overrides": {"data.image_size": 64, "data.resize": 64}},
+        {"name": "224px", "overrides": {"data.image_size": 224, "data.resize": 256}},
+    ]
+    base = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
+    spec = {"name": "shm", "base": str(base), "overrides": overrides}
+    sweep.write_text(yaml.safe_dump({**spec, "variants": variants}))
+    code = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
+    proc = with_small_shm(64, code, sys.executable, "-m", "dmltrain.service.cli", "sweep", str(sweep))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = proc.stderr.strip().splitlines()[-1]
+    assert "sweep shm, trial '224px': the loaders of 1 rank(s) (128 images a rank at 224 px" in error, error
+    assert "but /dev/shm holds 64 MiB on this node" in error
+    assert "Started a local Ray instance" not in proc.stderr and "Traceback" not in proc.stderr
+    if (tmp_path / "mlflow.db").exists():  # the store may have been probed; no parent run was started
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        assert client.search_runs(experiments) == []
+
+
+@needs_namespace
 def test_a_worker_checks_its_own_node_for_all_of_its_ranks(glyphs_root: Path, tmp_path: Path) -> None:
     """On a multi-node cluster the driver cannot see a node's /dev/shm: each worker's setup checks it for
     the ranks Ray placed there (Ray Train's local world size), before its loader starts."""

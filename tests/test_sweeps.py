@@ -125,6 +125,12 @@ def test_concurrency_follows_the_cluster(tmp_path: Path) -> None:
     assert concurrent_trials(trials, {"CPU": 1}, {"CPU": 6}) == 2
     assert concurrent_trials(trials, {"CPU": 0}, {"CPU": 64}) == 3  # never more than there are trials
     assert concurrent_trials(trials, {"CPU": 0}, {"CPU": 64, "GPU": 4}) == 2  # 2 GPU workers each
+    # On one node, /dev/shm over the most a trial's loaders keep there (Tune does not see it).
+    gib = 2**30
+    assert concurrent_trials(trials, {"CPU": 0}, {"CPU": 64}, [gib, 3 * gib, gib], 7 * gib) == 2
+    assert concurrent_trials(trials, {"CPU": 0}, {"CPU": 64}, [gib] * 3, 64 * gib) == 3
+    assert concurrent_trials(trials, {"CPU": 0}, {"CPU": 64}, [2 * gib] * 3, gib) == 1  # refused earlier
+    assert concurrent_trials(trials, {"CPU": 0}, {"CPU": 64}, [gib] * 3, None) == 3  # /dev/shm unknown
 
 
 @pytest.mark.service

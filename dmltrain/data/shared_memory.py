@@ -93,7 +93,7 @@ def shared_memory_size(path: str = SHM_DIR) -> tuple[int, int] | None:
     return stats.f_blocks * stats.f_frsize, stats.f_bavail * stats.f_frsize
 
 
-def _amount(n: float) -> str:
+def amount(n: float) -> str:
     """Bytes as a short figure for a message: MiB below a GiB, else GiB with one decimal."""
     return f"{n / 2**20:.0f} MiB" if n < 2**30 else f"{n / 2**30:.1f} GiB"
 
@@ -107,7 +107,7 @@ def shared_memory_problem(need: int, what: str, path: str = SHM_DIR) -> str | No
     if size is None or need <= size[0]:
         return None
     return (
-        f"{what} would keep about {_amount(need)} in shared memory, but {path} holds {_amount(size[0])} on "
+        f"{what} would keep about {amount(need)} in shared memory, but {path} holds {amount(size[0])} on "
         f"this node: {SHM_HINT}"
     )
 
@@ -118,9 +118,9 @@ def explain_shared_memory_error(exc: BaseException, need: int, what: str) -> Sha
     if not any(marker in str(exc) for marker in _EXHAUSTED):
         return None
     size = shared_memory_size()
-    held = f"{SHM_DIR} holds {_amount(size[0])}, {_amount(size[1])} free now" if size else SHM_DIR
+    held = f"{SHM_DIR} holds {amount(size[0])}, {amount(size[1])} free now" if size else SHM_DIR
     return SharedMemoryError(
-        f"a loader worker ran out of shared memory ({held}), where {what} keeps about {_amount(need)}: "
+        f"a loader worker ran out of shared memory ({held}), where {what} keeps about {amount(need)}: "
         f"{SHM_HINT}"
     )
 

@@ -165,12 +165,9 @@ def expected_decode(config: ExperimentConfig) -> str:
     return "gpu" if config.scaling.use_gpu is not False and torch.cuda.is_available() else "cpu"
 
 
-def shared_memory_config_problem(
-    config: ExperimentConfig, info: DatasetInfo, decode: str, ranks: int
-) -> str | None:
-    """One line naming the keys when the loaders of `ranks` ranks on one node would keep more in shared
-    memory than the node's /dev/shm holds, else None. Each rank's training loader keeps its buffers for
-    the run, and an evaluation's loader works beside them (`dmltrain.data.shared_memory`)."""
+def shared_memory_config_bytes(config: ExperimentConfig, info: DatasetInfo, decode: str) -> int:
+    """About what one rank's loaders keep in shared memory at most: the training loader's buffers for the
+    run, and an evaluation's loader beside them (`dmltrain.data.shared_memory`)."""
     data = config.data
     side = resolve_preprocessing(config).resolution
     per_rank = train_loader_bytes(
@@ -184,7 +181,17 @@ def shared_memory_config_problem(
     # An evaluation's loader starts no more workers than a rank has shards of the split.
     shards = max((len(info.split(s).shards) for s in info.evaluated_splits), default=0)
     eval_workers = min(data.loader_workers, math.ceil(shards / config.scaling.num_workers))
-    per_rank += eval_loader_bytes(config.eval.batch_size, eval_workers, side)
+    return per_rank + eval_loader_bytes(config.eval.batch_size, eval_workers, side)
+
+
+def shared_memory_config_problem(
+    config: ExperimentConfig, info: DatasetInfo, decode: str, ranks: int
+) -> str | None:
+    """One line naming the keys when the loaders of `ranks` ranks on one node would keep more in shared
+    memory than the node's /dev/shm holds, else None."""
+    data = config.data
+    side = resolve_preprocessing(config).resolution
+    per_rank = shared_memory_config_bytes(config, info, decode)
     what = (
         f"the loaders of {ranks} rank(s) ({config.local_batch_size} images a rank at {side} px: "
         f"train.global_batch_size={config.train.global_batch_size} over "

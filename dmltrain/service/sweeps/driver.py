@@ -11,7 +11,8 @@ starts that can fail on a typo:
 5. the baselines (raw pixels), then the trials: ``ray.tune.Tuner`` runs
    :func:`dmltrain.service.sweeps.trial.run_trial` once per trial, each a full service launch whose Ray Train
    workers request their own resources; the trial itself holds no CPU (``trial_resources``), and at most as
-   many trials run at once as the cluster's CPUs (and GPUs) hold (one on a 2-core machine);
+   many trials run at once as the cluster's CPUs (and GPUs) hold (one on a 2-core machine), and on one
+   node as many as its /dev/shm holds;
 6. the summary (table, JSON, comparison plots) on the parent run.
 """
 
@@ -27,10 +28,19 @@ from typing import Any
 
 import yaml
 
+from dmltrain.data.shared_memory import amount, shared_memory_size
 from dmltrain.service.cluster import check_shared_paths, decide_topology, storage_problems
 from dmltrain.service.config import ConfigError, ExperimentConfig
 from dmltrain.service.logs import drop_notice
-from dmltrain.service.preflight import check_config, check_data, check_outputs, load_data
+from dmltrain.service.preflight import (
+    check_config,
+    check_data,
+    check_outputs,
+    expected_decode,
+    load_data,
+    shared_memory_config_bytes,
+    shared_memory_config_problem,
+)
 from dmltrain.service.run import check_cluster, connect_ray, resolve_paths
 from dmltrain.service.sweeps.spec import Sweep, Trial
 from dmltrain.service.sweeps.summary import TrialResult, collect, log_summary, order, summary_markdown
@@ -52,9 +62,18 @@ class SweepOutcome:
     summary: str  # the markdown table logged as summary.md
 
 
-def _check_trials(sweep: Sweep) -> tuple[list[Trial], str, str, Any]:
-    """Config, cluster and data checks of every trial; returns the trials with resolved paths, the tracking
-    URI, the topology setting to give every trial, and the cluster view."""
+@dataclass(frozen=True)
+class CheckedSweep:
+    trials: list[Trial]  # with resolved paths, the tracking URI and the topology every trial gets
+    tracking_uri: str
+    setting: str  # "single-node" or "multi-node"
+    view: Any  # the cluster as check_cluster saw it
+    shared_memory: dict[str, int]  # single-node: trial label -> what its ranks keep in /dev/shm at most
+
+
+def _check_trials(sweep: Sweep) -> CheckedSweep:
+    """Config, cluster and data checks of every trial, and on a single node its shared memory (each trial
+    alone must fit /dev/shm; how many fit together bounds the concurrency, `concurrent_trials`)."""
     trials = list(sweep.trials)
     if not trials:
         raise ConfigError(f"sweep {sweep.spec.name}: no trials")
@@ -78,7 +97,7 @@ def _check_trials(sweep: Sweep) -> tuple[list[Trial], str, str, Any]:
             raise ConfigError("\n".join(f"trial {trial.label!r}: {p}" for p in problems))
     topology = decide_topology(trials[0].config.scaling.topology, view)
     setting = "multi-node" if topology.multi_node else "single-node"
-    resolved, infos = [], {}
+    resolved, infos, shared = [], {}, {}
     for trial in trials:
         config = resolve_paths(trial.config)
         key = (config.data.root, config.data.prepare)
@@ -92,13 +111,19 @@ def _check_trials(sweep: Sweep) -> tuple[list[Trial], str, str, Any]:
                 problems = check_shared_paths(config, view)
                 if problems:
                     raise ConfigError("\n".join(problems))
+            else:  # every rank of every trial on this node (each trial's launch checks itself again)
+                decode, ranks = expected_decode(config), config.scaling.num_workers
+                problem = shared_memory_config_problem(config, infos[key], decode, ranks)
+                if problem:
+                    raise ConfigError(problem)
+                shared[trial.label] = ranks * shared_memory_config_bytes(config, infos[key], decode)
         except ConfigError as error:
             raise ConfigError(f"sweep {sweep.spec.name}, trial {trial.label!r}: {error}") from None
         raw = config.model_dump(mode="json")
         raw["mlflow"]["tracking_uri"] = tracking_uri  # the trials run in other working directories
         raw["scaling"]["topology"] = setting
         resolved.append(Trial(trial.label, trial.overrides, ExperimentConfig.model_validate(raw)))
-    return resolved, tracking_uri, setting, view
+    return CheckedSweep(resolved, tracking_uri, setting, view, shared)
 
 
 def _parent_run(sweep: Sweep, trials: Sequence[Trial], tracking_uri: str, key: str) -> tuple[str, bool]:
@@ -168,8 +193,16 @@ def _baselines(sweep: Sweep, trial: Trial, tracking_uri: str, parent_run_id: str
         log.info("baseline %s: %s", label, {k: round(v, 4) for k, v in metrics.items() if "@1" in k})
 
 
-def concurrent_trials(trials: Sequence[Trial], resources: dict[str, float], cluster: dict[str, float]) -> int:
-    """How many trials fit on the cluster at once: its CPUs (and GPUs) over the largest trial's needs."""
+def concurrent_trials(
+    trials: Sequence[Trial],
+    resources: dict[str, float],
+    cluster: dict[str, float],
+    shared_memory: Sequence[int] = (),
+    shared_memory_capacity: int | None = None,
+) -> int:
+    """How many trials fit on the cluster at once: its CPUs (and GPUs) over the largest trial's needs, and
+    on a single node its /dev/shm over the most a trial's loaders keep there (Tune cannot see that, and
+    trials that fit one by one ran out of it together)."""
     cpu_need = max(t.config.scaling.num_workers * t.config.scaling.cpus_per_worker for t in trials)
     cpu_need += resources.get("CPU", resources.get("cpu", 0.0))
     fits = math.floor(cluster.get("CPU", 0.0) / cpu_need) if cpu_need > 0 else len(trials)
@@ -177,6 +210,8 @@ def concurrent_trials(trials: Sequence[Trial], resources: dict[str, float], clus
     if cluster.get("GPU", 0.0) > 0 and gpu_trials:
         gpu_need = max(t.config.scaling.num_workers for t in gpu_trials)
         fits = min(fits, math.floor(cluster["GPU"] / gpu_need))
+    if shared_memory_capacity and max(shared_memory, default=0) > 0:
+        fits = min(fits, shared_memory_capacity // max(shared_memory))
     return max(1, min(fits, len(trials)))
 
 
@@ -191,7 +226,8 @@ def _trial_resources(resources: dict[str, float]) -> dict[str, float]:
 
 def run_sweep(sweep: Sweep) -> SweepOutcome:
     """Check, then run every trial of ``sweep`` through Ray Tune; returns the summary read from MLflow."""
-    trials, tracking_uri, _setting, _view = _check_trials(sweep)
+    checked = _check_trials(sweep)
+    trials, tracking_uri = checked.trials, checked.tracking_uri
     storage = trials[0].config.run.storage_path
     key = f"{storage.rstrip('/')}/{sweep.spec.name}"
     parent_run_id, resumed = _parent_run(sweep, trials, tracking_uri, key)
@@ -206,7 +242,7 @@ def run_sweep(sweep: Sweep) -> SweepOutcome:
     failed: dict[str, str] = {}
     try:
         _baselines(sweep, trials[0], tracking_uri, parent_run_id, key)
-        failed = _tune(sweep, trials, tracking_uri, parent_run_id, storage)
+        failed = _tune(sweep, trials, tracking_uri, parent_run_id, storage, checked.shared_memory)
         results = order(collect(tracking_uri, parent_run_id), [t.label for t in trials])
         unfinished = _unfinished(results, [t.label for t in trials], failed, tracking_uri)
         title = f"sweep {sweep.spec.name}"
@@ -242,7 +278,12 @@ def _unfinished(
 
 
 def _tune(
-    sweep: Sweep, trials: Sequence[Trial], tracking_uri: str, parent_run_id: str, storage: str
+    sweep: Sweep,
+    trials: Sequence[Trial],
+    tracking_uri: str,
+    parent_run_id: str,
+    storage: str,
+    shared_memory: dict[str, int],
 ) -> dict[str, str]:
     """Run the trials as one Tune experiment; returns the failed trials' errors by label."""
     import ray
@@ -253,10 +294,22 @@ def _tune(
     # Tuner.restore call Tune suggests on Ctrl-C.
     drop_notice("ray.tune.tune", "Experiment has been interrupted")
     resources = _trial_resources(sweep.spec.trial_resources)
-    concurrent = sweep.spec.max_concurrent_trials or concurrent_trials(
-        trials, sweep.spec.trial_resources, ray.cluster_resources()
+    capacity = (shared_memory_size() or (0, 0))[0] if shared_memory else 0
+    fitting = concurrent_trials(
+        trials, sweep.spec.trial_resources, ray.cluster_resources(), list(shared_memory.values()), capacity
     )
+    concurrent = sweep.spec.max_concurrent_trials or fitting
     log.info("sweep %s: up to %d trial(s) at once", sweep.spec.name, concurrent)
+    most = max(shared_memory.values(), default=0)
+    if capacity and most and concurrent * most > capacity:
+        log.warning(
+            "sweep %s: max_concurrent_trials=%d trials can keep up to %s in shared memory together, but "
+            "/dev/shm holds %s on this node: a trial may run out of it (it then ends with one line)",
+            sweep.spec.name,
+            concurrent,
+            amount(concurrent * most),
+            amount(capacity),
+        )
     # Tune's search space holds the labels (its tables show them); each trial's full config travels once,
     # as an object in Ray's store, through tune.with_parameters.
     payloads = {
