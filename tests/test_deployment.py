@@ -456,6 +456,10 @@ def cluster_images(docs: list[Doc]) -> dict[str, str]:
             template = ((doc.get("spec") or {}).get("submitterPodTemplate") or {}).get("spec") or {}
             for container in template.get("containers") or []:
                 images[f"{_name(doc)} submitter {container.get('name')}"] = container.get("image", "")
+    search = _find(docs, "Deployment", SEARCH)
+    if search is not None:
+        for container in search["spec"]["template"]["spec"].get("containers") or []:
+            images[f"{_name(search)} {container.get('name')}"] = container.get("image", "")
     return images
 
 
@@ -633,6 +637,72 @@ def check_mlflow(docs: list[Doc]) -> list[str]:
     return problems
 
 
+SEARCH = "dmltrain-search"
+
+
+def check_search(docs: list[Doc]) -> list[str]:
+    """The search service runs `dmltrain serve` as dmltrain's own parser reads it, on an index in MLflow,
+    reachable through its Service, probed where MLflow's server answers, and admitted to MLflow."""
+    from dmltrain.service.cli import parse_args
+
+    deployment, service = _find(docs, "Deployment", SEARCH), _find(docs, "Service", SEARCH)
+    if deployment is None or service is None:
+        return [f"Deployment and Service named {SEARCH} are missing"]
+    problems: list[str] = []
+    template = deployment["spec"]["template"]
+    labels = (template.get("metadata") or {}).get("labels") or {}
+    selector = deployment["spec"].get("selector", {}).get("matchLabels") or {}
+    if not selector or any(labels.get(k) != v for k, v in selector.items()):
+        problems.append(f"Deployment/{SEARCH} selector {selector} does not match its pod labels {labels}")
+    if any(labels.get(k) != v for k, v in (service["spec"].get("selector") or {}).items()):
+        problems.append(f"Service/{SEARCH} selector {service['spec'].get('selector')} matches no search pod")
+    policy = _find(docs, "NetworkPolicy", "mlflow-clients") or {}
+    admitted = [
+        (source.get("podSelector") or {}).get("matchLabels") or {}
+        for rule in (policy.get("spec") or {}).get("ingress") or []
+        for source in rule.get("from") or []
+    ]
+    if not any(all(labels.get(k) == v for k, v in wanted.items()) for wanted in admitted):
+        problems.append(f"the search pod's labels {labels} are not admitted to MLflow by mlflow-clients")
+    pod = template["spec"]
+    container = (pod.get("containers") or [{}])[0]
+    command = [str(a) for a in container.get("command", []) + container.get("args", [])]
+    if command[:2] != ["dmltrain", "serve"]:
+        return [*problems, f"{SEARCH} runs {command[:2]}, not `dmltrain serve`"]
+    try:
+        args = parse_args(command[1:])
+    except SystemExit:
+        return [*problems, f"{SEARCH}: `dmltrain serve` refuses the arguments {command[2:]}"]
+    if not args.index.startswith(("runs:/", "models:/")):
+        problems.append(f"{SEARCH} serves {args.index!r}: the pod has no local index; give runs:/...")
+    if args.host != "0.0.0.0":
+        problems.append(f"{SEARCH} listens on --host {args.host}: the Service cannot reach it")
+    ports = {p.get("name"): p.get("containerPort") for p in container.get("ports") or []}
+    if args.port not in ports.values():
+        problems.append(f"{SEARCH} serves on --port {args.port}, not a containerPort {ports}")
+    for port in service["spec"].get("ports") or []:
+        target = port.get("targetPort", port.get("port"))
+        if ports.get(target, target) != args.port:
+            problems.append(f"Service/{SEARCH} targetPort {target!r} is not the port the server listens on")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        get = (container.get(probe) or {}).get("httpGet") or {}
+        if (
+            get.get("path") not in {"/ping", "/health"}
+            or ports.get(get.get("port"), get.get("port")) != args.port
+        ):
+            problems.append(f"{SEARCH} {probe} {get} is not MLflow's /ping or /health on the server's port")
+    env = {e.get("name"): e for e in container.get("env") or []}
+    source = ((env.get("MLFLOW_TRACKING_URI") or {}).get("valueFrom") or {}).get("configMapKeyRef") or {}
+    config_map = _find(docs, "ConfigMap", source.get("name"))
+    if config_map is None or source.get("key") not in (config_map.get("data") or {}):
+        problems.append(f"{SEARCH}: MLFLOW_TRACKING_URI does not come from the MLflow ConfigMap")
+    scratch = (env.get("TMPDIR") or {}).get("value")
+    mounts = {m.get("mountPath") for m in container.get("volumeMounts") or []}
+    if scratch not in mounts:
+        problems.append(f"{SEARCH}: TMPDIR {scratch!r} (the model and index copies) is not a mounted volume")
+    return problems
+
+
 def check_manifests(docs: list[Doc], repo: Path, ray_version: str, project_version: str) -> list[str]:
     """Every check of cluster/kubernetes/ at once."""
     problems: list[str] = []
@@ -662,6 +732,7 @@ def check_manifests(docs: list[Doc], repo: Path, ray_version: str, project_versi
     for job in (d for d in docs if d.get("kind") == "RayJob"):
         problems.extend(check_rayjob(job, docs, repo))
     problems.extend(check_mlflow(docs))
+    problems.extend(check_search(docs))
     return problems
 
 
@@ -844,6 +915,18 @@ def _set_entrypoint_config(docs: list[Doc], config: str) -> None:
     _job(docs)["entrypoint"] = " ".join(["python", "-m", "dmltrain.run", config, *entry.overrides])
 
 
+def _search_container(docs: list[Doc]) -> Doc:
+    doc = _find(docs, "Deployment", SEARCH)
+    assert doc is not None
+    return doc["spec"]["template"]["spec"]["containers"][0]
+
+
+def _search_command(docs: list[Doc], old: str, new: str) -> None:
+    container = _search_container(docs)
+    assert old in container["command"], (old, container["command"])
+    container["command"] = [new if a == old else a for a in container["command"]]
+
+
 MANIFEST_MUTATIONS: list[tuple[str, Callable[[list[Doc]], None], str]] = [
     ("wrong apiVersion", lambda d: _find(d, "RayCluster").update(apiVersion="ray.io/v1alpha1"), "apiVersion"),
     (
@@ -950,6 +1033,29 @@ MANIFEST_MUTATIONS: list[tuple[str, Callable[[list[Doc]], None], str]] = [
         lambda d: _find(d, "Service")["spec"].update(selector={"app": "other"}),
         "matches no MLflow pod",
     ),
+    ("search on loopback", lambda d: _search_command(d, "0.0.0.0", "127.0.0.1"), "the Service cannot reach"),
+    ("search port", lambda d: _search_command(d, "8080", "8081"), "not a containerPort"),
+    ("search local index", lambda d: _search_command(d, "runs:/RUN_ID/indexes/sop_test", "/idx"), "no local"),
+    ("search bad flag", lambda d: _search_command(d, "--workers", "--threads"), "refuses the arguments"),
+    ("search not serve", lambda d: _search_command(d, "serve", "search"), "not `dmltrain serve`"),
+    (
+        "search probe",
+        lambda d: _search_container(d)["readinessProbe"]["httpGet"].update(path="/"),
+        "readinessProbe",
+    ),
+    (
+        "search not an MLflow client",
+        lambda d: _find(d, "Deployment", SEARCH)["spec"]["template"]["metadata"]["labels"].pop(
+            "dmltrain/mlflow-client"
+        ),
+        "not admitted to MLflow",
+    ),
+    (
+        "search image",
+        lambda d: _search_container(d).update(image="ghcr.io/dmltrain/dmltrain:0.0.9"),
+        "different images",
+    ),
+    ("search scratch", lambda d: _search_container(d).pop("volumeMounts"), "TMPDIR"),
 ]
 
 

@@ -248,14 +248,16 @@ def check_network_policies(docs: list[Doc]) -> list[str]:
     mlflow_labels = ((mlflow or {}).get("spec", {}).get("template", {}).get("metadata") or {}).get(
         "labels"
     ) or {}
-    ray_pods = {
+    # Ray pods log runs; the search service (search.yaml) downloads an index and its model.
+    clients = {
         w: labels
         for w, labels in pods.items()
-        if w.startswith(("RayCluster/", "RayJob/")) and "submitter" not in w
+        if (w.startswith(("RayCluster/", "RayJob/")) and "submitter" not in w)
+        or w == "Deployment/dmltrain-search"
     }
 
     for target, labels, allowed in (
-        ("MLflow", mlflow_labels, "Ray pods"),
+        ("MLflow", mlflow_labels, "Ray pods and the search service"),
         ("PostgreSQL", {"app.kubernetes.io/name": "postgresql"}, "the MLflow server"),
     ):
         peers = _admitted(policies, labels)
@@ -267,7 +269,7 @@ def check_network_policies(docs: list[Doc]) -> list[str]:
                 problems.append(f"{target} admits {peer} (only pod selectors in this namespace are expected)")
                 continue
             reached = sorted(w for w, pod_labels in pods.items() if _selects(peer["podSelector"], pod_labels))
-            expected = sorted(ray_pods) if target == "MLflow" else [_name(mlflow or {})]
+            expected = sorted(clients) if target == "MLflow" else [_name(mlflow or {})]
             if reached != expected:
                 problems.append(f"{target} admits pods {reached}, expected only {allowed} {expected}")
     return problems
