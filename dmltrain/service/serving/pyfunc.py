@@ -223,17 +223,11 @@ def log_pyfunc(
             artifact_path=None,
             name=name,
             flavor=mlflow.pyfunc,
-            python_model=str(parts.code_file),
-            artifacts=parts.artifacts,
-            code_paths=[str(code)],
-            signature=parts.signature,
-            input_example=parts.example,
-            pip_requirements=parts.requirements,
             run_id=run_id,
             step=step,
             model_id=logged.model_id,
-            metadata=parts.metadata,
             flavor_name="pyfunc.ModelFromCode",  # what mlflow.pyfunc.log_model passes for a code file
+            **_model_arguments(parts, code),
         )
 
 
@@ -242,17 +236,21 @@ def save_pyfunc(path: str | Path, parts: PyfuncParts) -> Path:
     ``mlflow models serve -m <path>`` serves and ``mlflow.pyfunc.load_model`` loads, no store needed."""
     with tempfile.TemporaryDirectory() as tmp, no_artifact_bars():
         code = _package_copy(Path(tmp))
-        mlflow.pyfunc.save_model(
-            str(path),
-            python_model=str(parts.code_file),
-            artifacts=parts.artifacts,
-            code_paths=[str(code)],
-            signature=parts.signature,
-            input_example=parts.example,
-            pip_requirements=parts.requirements,
-            metadata=parts.metadata,
-        )
+        mlflow.pyfunc.save_model(str(path), **_model_arguments(parts, code))
     return Path(path)
+
+
+def _model_arguments(parts: PyfuncParts, code: Path) -> dict[str, Any]:
+    """What logging and saving a pyfunc both pass to MLflow."""
+    return {
+        "python_model": str(parts.code_file),
+        "artifacts": parts.artifacts,
+        "code_paths": [str(code)],
+        "signature": parts.signature,
+        "input_example": parts.example,
+        "pip_requirements": parts.requirements,
+        "metadata": parts.metadata,
+    }
 
 
 def log_embedding_model(
