@@ -270,21 +270,22 @@ def test_search_an_index_logged_to_a_run(
     served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """runs:/<id>/indexes/<name>: downloaded, read into memory and removed at once (one search used to
-    leave a copy of the whole index in the temp dir); a wrong run or index name is one line, status 2."""
+    leave a copy of the whole index in the temp dir); a wrong run or index name is one line, status 2.
+    With --no-search-model the index is logged without the search model beside it."""
     model = f"runs:/{served.run_id}/model"
-    code = cli(
-        [
-            "index",
-            model,
-            str(served.glyphs),
-            "--out",
-            str(tmp_path / "idx"),
-            "--tracking-uri",
-            served.tracking_uri,
-        ]
-    )
+    client = MlflowClient(served.tracking_uri)
+    experiment = client.get_run(served.run_id).info.experiment_id
+
+    def search_models() -> int:
+        return len(client.search_logged_models([experiment], filter_string="name = 'search_glyphs_test'"))
+
+    before = search_models()
+    args = ["index", model, str(served.glyphs), "--out", str(tmp_path / "idx"), "--no-search-model"]
+    code = cli([*args, "--tracking-uri", served.tracking_uri])
     assert code == 0, capsys.readouterr().err
-    capsys.readouterr()
+    printed = capsys.readouterr().out
+    assert f"logged to runs:/{served.run_id}/indexes/glyphs_test" in printed and "search model" not in printed
+    assert search_models() == before
     key, data, cls = _test_samples(served.glyphs, 1)[0]
     query = tmp_path / "q.png"
     query.write_bytes(data)

@@ -245,6 +245,11 @@ def _register_index(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-log", action="store_true", help="do not log the index to the model's MLflow run"
     )
+    parser.add_argument(
+        "--no-search-model",
+        action="store_true",
+        help="log the index only, not also the search model (a copy of the index and the weights)",
+    )
     _add_tracking_uri(parser)
 
 
@@ -262,6 +267,7 @@ def _run_index(args: argparse.Namespace) -> int:
             workers=args.workers,
             tracking_uri=args.tracking_uri,
             log_to_run=not args.no_log,
+            search_model=not args.no_search_model,
         )
     except (ValueError, FileNotFoundError, KeyError) as exc:
         print(f"dmltrain index: error: {exc}", file=sys.stderr)
@@ -272,6 +278,7 @@ def _run_index(args: argparse.Namespace) -> int:
     )
     if "logged_to" in meta:
         print(f"logged to {meta['logged_to']}")
+    if "search_model" in meta:
         print(
             f"search model: {meta['search_model']} (serve it: mlflow models serve -m {meta['search_model']} "
             "--env-manager local)"

@@ -90,9 +90,11 @@ def build_split_index(
     workers: int = 0,
     tracking_uri: str | None = None,
     log_to_run: bool = True,
+    search_model: bool = True,
 ) -> tuple[Path, dict[str, Any]]:
     """Embed ``split`` of ``data_root`` with the model, build the index ``kind`` (auto: by size), store it
-    in ``out`` (default ``./index_<dataset>_<split>``); log it to the model's run when there is one."""
+    in ``out`` (default ``./index_<dataset>_<split>``); log it to the model's run when there is one, and
+    (``search_model``) the search pyfunc of the index and the model beside it."""
     model = load_embedding_model(model_ref, tracking_uri)
     info = load_dataset_info(data_root)
     split = split or default_split(info)
@@ -125,9 +127,10 @@ def build_split_index(
         tracking = resolve_tracking_uri(tracking_uri)
         MlflowClient(tracking).log_artifacts(model.run_id, str(target), f"indexes/{name}")
         meta["logged_to"] = f"runs:/{model.run_id}/indexes/{name}"
-        meta["search_model"] = log_search_model(
-            tracking, model.run_id, f"search_{name}", model_ref, target, step=model.step or 0
-        )
+        if search_model:
+            meta["search_model"] = log_search_model(
+                tracking, model.run_id, f"search_{name}", model_ref, target, step=model.step or 0
+            )
     meta.update(
         {"ntotal": built.ntotal, "description": spec.describe(), "build_seconds": built.build_seconds}
     )
