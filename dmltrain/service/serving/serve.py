@@ -81,6 +81,19 @@ def _signal_group(server: subprocess.Popen[bytes], signum: int) -> bool:
     return True
 
 
+def _reap_orphans() -> None:
+    """Reap exited children this process did not start: as a container's PID 1 (`dmltrain serve` as the
+    pod's command) it inherits uvicorn when MLflow's process exits first, and an unreaped one would hold
+    the group for the whole grace period."""
+    while True:
+        try:
+            pid, _status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def _end_group(server: subprocess.Popen[bytes], grace: float = 10.0) -> None:
     """Wait until every process of the server's group is gone (uvicorn shuts down after MLflow's process
     has exited), so its model folder can go; SIGKILL what is still there after ``grace`` seconds."""
@@ -89,6 +102,7 @@ def _end_group(server: subprocess.Popen[bytes], grace: float = 10.0) -> None:
     deadline = time.monotonic() + grace
     while _signal_group(server, 0) and time.monotonic() < deadline:
         server.poll()  # reaps MLflow's process: a zombie still counts as a member of the group
+        _reap_orphans()
         time.sleep(0.1)
     if _signal_group(server, signal.SIGKILL):
         server.wait()
