@@ -514,11 +514,15 @@ def test_an_index_served_over_http_returns_what_search_prints(
     index_dir = tmp_path / "idx"
     model = f"runs:/{served.run_id}/model"
     tracking = ["--tracking-uri", served.tracking_uri]
-    assert cli(["index", model, str(served.glyphs), "--out", str(index_dir), *tracking]) == 0
+    refused = ["index", model, str(served.glyphs), "--register", "glyph-search", "--no-search-model"]
+    assert cli([*refused, *tracking]) == 2
+    assert "registering the search model needs it logged to the model's run" in capsys.readouterr().err
+    args = ["index", model, str(served.glyphs), "--out", str(index_dir), "--register", "glyph-search"]
+    assert cli([*args, *tracking]) == 0
     search_model = f"runs:/{served.run_id}/search_glyphs_test"
-    assert f"search model: {search_model} (serve it: mlflow models serve -m {search_model}" in (
-        capsys.readouterr().out
-    )
+    printed = capsys.readouterr().out
+    assert f"search model: {search_model} (serve it: mlflow models serve -m {search_model}" in printed
+    assert "registered as models:/glyph-search/1" in printed
     samples = _test_samples(served.glyphs, 3)
     files = []
     for i, (_key, data, _cls) in enumerate(samples):
@@ -547,11 +551,13 @@ def test_an_index_served_over_http_returns_what_search_prints(
     images = pd.DataFrame({"image": [data for _, data, _ in samples]})
     mlflow.set_tracking_uri(served.tracking_uri)
     try:
-        logged = mlflow.pyfunc.load_model(search_model, dst_path=str(tmp_path / "download"))
+        for uri, where in ((search_model, "download"), ("models:/glyph-search/1", "registered")):
+            (tmp_path / where).mkdir()
+            logged = mlflow.pyfunc.load_model(uri, dst_path=str(tmp_path / where))
+            assert_same(rows(logged.predict(images, params={"k": 4})))
+            assert "k" in str(logged.metadata.signature.params)
     finally:
         mlflow.set_tracking_uri(None)
-    assert_same(rows(logged.predict(images, params={"k": 4})))
-    assert "k" in str(logged.metadata.signature.params)
 
     saved = tmp_path / "saved_search_model"
     assert cli(["serve", str(index_dir), "--save", str(saved), *tracking]) == 0

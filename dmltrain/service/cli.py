@@ -250,6 +250,9 @@ def _register_index(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="log the index only, not also the search model (a copy of the index and the weights)",
     )
+    parser.add_argument(
+        "--register", default=None, metavar="NAME", help="register the search model as a new version of NAME"
+    )
     _add_tracking_uri(parser)
 
 
@@ -268,6 +271,7 @@ def _run_index(args: argparse.Namespace) -> int:
             tracking_uri=args.tracking_uri,
             log_to_run=not args.no_log,
             search_model=not args.no_search_model,
+            register_as=args.register,
         )
     except (ValueError, FileNotFoundError, KeyError) as exc:
         print(f"dmltrain index: error: {exc}", file=sys.stderr)
@@ -283,6 +287,8 @@ def _run_index(args: argparse.Namespace) -> int:
             f"search model: {meta['search_model']} (serve it: mlflow models serve -m {meta['search_model']} "
             "--env-manager local)"
         )
+    if "registered" in meta:
+        print(f"registered as {meta['registered']}")
     return 0
 
 

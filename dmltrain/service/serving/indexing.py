@@ -91,10 +91,17 @@ def build_split_index(
     tracking_uri: str | None = None,
     log_to_run: bool = True,
     search_model: bool = True,
+    register_as: str | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Embed ``split`` of ``data_root`` with the model, build the index ``kind`` (auto: by size), store it
     in ``out`` (default ``./index_<dataset>_<split>``); log it to the model's run when there is one, and
-    (``search_model``) the search pyfunc of the index and the model beside it."""
+    (``search_model``) the search pyfunc of the index and the model beside it, registered as a new version
+    of ``register_as`` if given."""
+    if register_as and not (log_to_run and search_model and is_mlflow_uri(model_ref)):
+        raise ValueError(
+            "registering the search model needs it logged to the model's run: a runs:/ or models:/ model, "
+            "without --no-log or --no-search-model"
+        )
     model = load_embedding_model(model_ref, tracking_uri)
     info = load_dataset_info(data_root)
     split = split or default_split(info)
@@ -128,9 +135,16 @@ def build_split_index(
         MlflowClient(tracking).log_artifacts(model.run_id, str(target), f"indexes/{name}")
         meta["logged_to"] = f"runs:/{model.run_id}/indexes/{name}"
         if search_model:
-            meta["search_model"] = log_search_model(
+            logged = log_search_model(
                 tracking, model.run_id, f"search_{name}", model_ref, target, step=model.step or 0
             )
+            meta["search_model"] = f"runs:/{model.run_id}/search_{name}"
+            if register_as:
+                from dmltrain.service.serving.publish import register
+
+                meta["registered"] = register(
+                    tracking, model.run_id, register_as, f"search_{name}", logged.model_uri
+                )
     meta.update(
         {"ntotal": built.ntotal, "description": spec.describe(), "build_seconds": built.build_seconds}
     )
@@ -139,15 +153,14 @@ def build_split_index(
 
 def log_search_model(
     tracking: str, run_id: str, name: str, model_ref: str, index_dir: Path, *, step: int
-) -> str:
+) -> Any:
     """Log the index with its model as the search pyfunc ``name`` of ``run_id`` (`search_model`), so
-    ``mlflow models serve -m runs:/<run_id>/<name>`` serves it; returns that URI."""
+    ``mlflow models serve -m runs:/<run_id>/<name>`` serves it; returns MLflow's ModelInfo."""
     from dmltrain.service.serving.pyfunc import log_pyfunc
     from dmltrain.service.serving.search_model import search_parts
 
     with located(model_ref, tracking) as (weights, _run_id):
-        log_pyfunc(tracking, run_id, name, search_parts(weights, index_dir), step=step)
-    return f"runs:/{run_id}/{name}"
+        return log_pyfunc(tracking, run_id, name, search_parts(weights, index_dir), step=step)
 
 
 def open_index(ref: str | Path, tracking_uri: str | None = None) -> StoredIndex:
