@@ -623,3 +623,19 @@ def test_an_index_served_over_http_returns_what_search_prints(
     # Nothing of the server is left: uvicorn is a child of MLflow's process, not of dmltrain's.
     leftover = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True).stdout
     assert leftover == "", leftover
+
+
+def test_the_server_finds_uvicorn_and_shares_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow starts `uvicorn` through a shell: a venv's dmltrain run by its full path (venv not activated)
+    failed with status 127 before this Python's scripts went first on PATH."""
+    from dmltrain.service.serving.serve import server_environment
+
+    monkeypatch.setenv("PATH", "/usr/bin")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    env = server_environment(workers=4)
+    assert env["PATH"].split(os.pathsep) == [str(Path(sys.executable).parent), "/usr/bin"]
+    assert env["OMP_NUM_THREADS"] == "4" and server_environment(workers=32)["OMP_NUM_THREADS"] == "1"
+    assert env["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] == "false"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert server_environment(workers=4)["OMP_NUM_THREADS"] == "3"  # the user's setting is kept

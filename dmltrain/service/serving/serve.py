@@ -61,12 +61,15 @@ def serve_command(model_dir: Path, host: str, port: int, workers: int) -> list[s
     ]
 
 
-def server_environment() -> dict[str, str]:
+def server_environment(workers: int = 1) -> dict[str, str]:
     """This environment with this Python's scripts first on PATH: MLflow starts the server as `uvicorn`
     through a shell, which a venv's dmltrain run by its full path (venv not activated) would not find.
-    Without download bars (MLflow copies the local model folder it serves) unless the user asks."""
+    Without download bars (MLflow copies the local model folder it serves) unless the user asks, and with
+    the CPUs shared out between the server processes (torch and faiss would each start a thread per CPU
+    in every one of them) unless OMP_NUM_THREADS says otherwise."""
     env = dict(os.environ)
     env.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
     scripts = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([scripts, env["PATH"]]) if env.get("PATH") else scripts
     return env
@@ -132,9 +135,8 @@ def serve_index(
         )
         # Its own process group: MLflow's command runs uvicorn as a child of its own, which a signal to
         # MLflow's process alone would leave serving.
-        server = subprocess.Popen(
-            serve_command(model_dir, host, port, workers), env=server_environment(), start_new_session=True
-        )
+        command, env = serve_command(model_dir, host, port, workers), server_environment(workers)
+        server = subprocess.Popen(command, env=env, start_new_session=True)
         stopped: list[int] = []
 
         def stop(signum: int, _frame: FrameType | None) -> None:
