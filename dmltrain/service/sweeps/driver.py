@@ -202,7 +202,7 @@ def concurrent_trials(
 ) -> int:
     """How many trials fit on the cluster at once: its CPUs (and GPUs) over the largest trial's needs, and
     on a single node its /dev/shm over the most a trial's loaders keep there (Tune cannot see that, and
-    trials that fit one by one ran out of it together)."""
+    trials that fit one by one can run out of it together)."""
     cpu_need = max(t.config.scaling.num_workers * t.config.scaling.cpus_per_worker for t in trials)
     cpu_need += resources.get("CPU", resources.get("cpu", 0.0))
     fits = math.floor(cluster.get("CPU", 0.0) / cpu_need) if cpu_need > 0 else len(trials)
