@@ -8,10 +8,9 @@ reject a config typo before torch, Ray and MLflow are imported.
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any
 
-from dmltrain.service.entry import main
+from dmltrain.service.entry import exit_process, main
 
 if TYPE_CHECKING:
     from dmltrain.service.run import RunOutcome, launch
@@ -28,4 +27,4 @@ def __getattr__(name: str) -> Any:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

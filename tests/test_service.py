@@ -307,7 +307,10 @@ def test_sigterm_marks_the_run_killed_and_a_relaunch_resumes_it(
     assert outcome.resumed and outcome.mlflow_run_id == run.info.run_id
     resumed = client.get_run(run.info.run_id)
     assert resumed.info.status == "FINISHED"
-    assert resumed.data.tags["dmltrain.segments"] == f"1@0; 2@{step} (train.steps: 400 -> {step + 2})"
+    # It resumes from Ray's newest checkpoint. The tag names the newest one rank 0 saw stored, and a stop
+    # that lands between Ray persisting a checkpoint and rank 0 tagging it leaves the tag one behind.
+    segments = resumed.data.tags["dmltrain.segments"]
+    assert segments in {f"1@0; 2@{s} (train.steps: 400 -> {step + 2})" for s in (step, step + 2)}, segments
     steps = _history(client, run.info.run_id, "train/loss")
     # Nothing lost, nothing logged twice. The stopped driver may have logged steps past its last complete
     # checkpoint (the relaunch re-runs them and skips their stored metrics), so the history can end after

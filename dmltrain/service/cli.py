@@ -465,5 +465,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return COMMANDS[args.command][2](args)
 
 
+def console() -> None:
+    """The `dmltrain` script: `main`, then the exit a stopped `dmltrain train` needs
+    (`dmltrain.service.entry.exit_process`)."""
+    from dmltrain.service.entry import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

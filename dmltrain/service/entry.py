@@ -8,7 +8,12 @@ launch is imported only once it is valid: a typo in a key gets its one line in w
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
+import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from dmltrain.service.config import ConfigError, load_config
 from dmltrain.service.logs import print_problems, setup_logging
@@ -38,3 +43,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dmltrain.service.run import run_and_report  # the heavy part: torch, Ray, MLflow
 
     return run_and_report(config)
+
+
+STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # run_and_report's statuses for a stopped run
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the command with ``code``. After a stop (SIGTERM, Ctrl-C) the thread that runs
+    ``trainer.fit()`` is still inside Ray: at interpreter exit Ray's own shutdown raced with it, and Ray's
+    core worker then ended the process with status 1 ("The core worker has already been shutdown ... The
+    process will exit") instead of 143, now and then. The run is already marked KILLED and Ray ends the
+    job's actors when its driver goes, so a stopped command flushes its output and leaves at once."""
+    if code in STOPPED:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
