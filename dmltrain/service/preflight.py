@@ -165,9 +165,12 @@ def expected_decode(config: ExperimentConfig) -> str:
     return "gpu" if config.scaling.use_gpu is not False and torch.cuda.is_available() else "cpu"
 
 
-def shared_memory_config_bytes(config: ExperimentConfig, info: DatasetInfo, decode: str) -> int:
-    """About what one rank's loaders keep in shared memory at most: the training loader's buffers for the
-    run, and an evaluation's loader beside them (`dmltrain.data.shared_memory`)."""
+def shared_memory_config_need(
+    config: ExperimentConfig, info: DatasetInfo, decode: str, ranks: int
+) -> tuple[int, str]:
+    """About what the loaders of `ranks` ranks on one node keep in shared memory at most, and the keys
+    behind it for a message. Each rank's training loader keeps its buffers for the run, and an
+    evaluation's loader works beside them (`dmltrain.data.shared_memory`)."""
     data = config.data
     side = resolve_preprocessing(config).resolution
     per_rank = train_loader_bytes(
@@ -181,7 +184,14 @@ def shared_memory_config_bytes(config: ExperimentConfig, info: DatasetInfo, deco
     # An evaluation's loader starts no more workers than a rank has shards of the split.
     shards = max((len(info.split(s).shards) for s in info.evaluated_splits), default=0)
     eval_workers = min(data.loader_workers, math.ceil(shards / config.scaling.num_workers))
-    return per_rank + eval_loader_bytes(config.eval.batch_size, eval_workers, side)
+    per_rank += eval_loader_bytes(config.eval.batch_size, eval_workers, side)
+    what = (
+        f"the loaders of {ranks} rank(s) ({config.local_batch_size} images a rank at {side} px: "
+        f"train.global_batch_size={config.train.global_batch_size} over "
+        f"scaling.num_workers={config.scaling.num_workers}; data.loader_workers={data.loader_workers}, "
+        f"data.decode={decode}, eval.batch_size={config.eval.batch_size})"
+    )
+    return per_rank * ranks, what
 
 
 def shared_memory_config_problem(
@@ -189,16 +199,7 @@ def shared_memory_config_problem(
 ) -> str | None:
     """One line naming the keys when the loaders of `ranks` ranks on one node would keep more in shared
     memory than the node's /dev/shm holds, else None."""
-    data = config.data
-    side = resolve_preprocessing(config).resolution
-    per_rank = shared_memory_config_bytes(config, info, decode)
-    what = (
-        f"the loaders of {ranks} rank(s) ({config.local_batch_size} images a rank at {side} px: "
-        f"train.global_batch_size={config.train.global_batch_size} over "
-        f"scaling.num_workers={config.scaling.num_workers}; data.loader_workers={data.loader_workers}, "
-        f"data.decode={decode}, eval.batch_size={config.eval.batch_size})"
-    )
-    return shared_memory_problem(per_rank * ranks, what)
+    return shared_memory_problem(*shared_memory_config_need(config, info, decode, ranks))
 
 
 def check_outputs(config: ExperimentConfig, tracking_uri: str, timeout_s: float = 5.0) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from dmltrain.data.shared_memory import amount, shared_memory_size
+from dmltrain.data.shared_memory import amount, shared_memory_problem, shared_memory_size
 from dmltrain.service.cluster import check_shared_paths, decide_topology, storage_problems
 from dmltrain.service.config import ConfigError, ExperimentConfig
 from dmltrain.service.logs import drop_notice
@@ -38,8 +38,7 @@ from dmltrain.service.preflight import (
     check_outputs,
     expected_decode,
     load_data,
-    shared_memory_config_bytes,
-    shared_memory_config_problem,
+    shared_memory_config_need,
 )
 from dmltrain.service.run import check_cluster, connect_ray, resolve_paths
 from dmltrain.service.sweeps.spec import Sweep, Trial
@@ -112,11 +111,13 @@ def _check_trials(sweep: Sweep) -> CheckedSweep:
                 if problems:
                     raise ConfigError("\n".join(problems))
             else:  # every rank of every trial on this node (each trial's launch checks itself again)
-                decode, ranks = expected_decode(config), config.scaling.num_workers
-                problem = shared_memory_config_problem(config, infos[key], decode, ranks)
+                need, what = shared_memory_config_need(
+                    config, infos[key], expected_decode(config), config.scaling.num_workers
+                )
+                problem = shared_memory_problem(need, what)
                 if problem:
                     raise ConfigError(problem)
-                shared[trial.label] = ranks * shared_memory_config_bytes(config, infos[key], decode)
+                shared[trial.label] = need
         except ConfigError as error:
             raise ConfigError(f"sweep {sweep.spec.name}, trial {trial.label!r}: {error}") from None
         raw = config.model_dump(mode="json")
