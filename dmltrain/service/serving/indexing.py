@@ -9,8 +9,10 @@ as ``indexes/<dataset>_<split>``, and with its model as the search pyfunc ``sear
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,13 +165,22 @@ def log_search_model(
         return log_pyfunc(tracking, run_id, name, search_parts(weights, index_dir), step=step)
 
 
-def open_index(ref: str | Path, tracking_uri: str | None = None) -> StoredIndex:
-    """A local index directory, or one logged to MLflow (``runs:/<run_id>/indexes/<name>``)."""
+@contextlib.contextmanager
+def index_directory(ref: str | Path, tracking_uri: str | None = None) -> Iterator[Path]:
+    """The folder of an index reference: a local index directory as given, or one logged to MLflow
+    (``runs:/<run_id>/indexes/<name>``) downloaded for the block and removed after it."""
     text = str(ref)
-    if is_mlflow_uri(text):  # read into memory, so the downloaded copy can go at once
+    if is_mlflow_uri(text):
         with downloaded(text, tracking_uri) as local:
-            return load_index(local)
-    return load_index(text)
+            yield local
+        return
+    yield Path(text).expanduser()
+
+
+def open_index(ref: str | Path, tracking_uri: str | None = None) -> StoredIndex:
+    """A local index directory, or one logged to MLflow, read into memory (a downloaded copy goes at once)."""
+    with index_directory(ref, tracking_uri) as directory:
+        return load_index(directory)
 
 
 @dataclass

@@ -8,35 +8,20 @@ its model servers (request formats, workers, timeouts) holds as it is.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from dmltrain.service.serving.loading import downloaded, is_mlflow_uri, located
+from dmltrain.service.serving.indexing import index_directory
+from dmltrain.service.serving.loading import located
 from dmltrain.service.serving.pyfunc import save_pyfunc
 from dmltrain.service.serving.search_model import search_parts
-
-
-@contextlib.contextmanager
-def _index_dir(ref: str, tracking_uri: str | None) -> Iterator[Path]:
-    if is_mlflow_uri(ref):
-        with downloaded(ref, tracking_uri) as local:
-            yield local
-        return
-    path = Path(ref).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"index not found: {ref} (an index directory or runs:/<run_id>/indexes/<name>)"
-        )
-    yield path
 
 
 def save_search_model(
@@ -46,7 +31,11 @@ def save_search_model(
     returns the index's metadata."""
     from dmltrain.index import load_index
 
-    with _index_dir(index, tracking_uri) as index_dir:
+    with index_directory(index, tracking_uri) as index_dir:
+        if not index_dir.is_dir():
+            raise FileNotFoundError(
+                f"index not found: {index} (an index directory or runs:/<run_id>/indexes/<name>)"
+            )
         meta = load_index(index_dir).meta
         with located(model or meta["model"], tracking_uri) as (weights, _run_id):
             save_pyfunc(out, search_parts(weights, index_dir))
