@@ -587,6 +587,19 @@ def host_allowed(allowed: list[str], host: str) -> bool:
     )
 
 
+def _selector_problems(deployment: Doc, service: Doc, pods: str) -> list[str]:
+    """A Deployment whose selector picks its own pods, and a Service of the same name that reaches them."""
+    name = deployment["metadata"]["name"]
+    labels = (deployment["spec"]["template"].get("metadata") or {}).get("labels") or {}
+    selector = deployment["spec"].get("selector", {}).get("matchLabels") or {}
+    problems = []
+    if not selector or any(labels.get(k) != v for k, v in selector.items()):
+        problems.append(f"Deployment/{name} selector {selector} does not match its pod labels {labels}")
+    if any(labels.get(k) != v for k, v in (service["spec"].get("selector") or {}).items()):
+        problems.append(f"Service/{name} selector {service['spec'].get('selector')} matches no {pods}")
+    return problems
+
+
 def check_mlflow(docs: list[Doc]) -> list[str]:
     """The server keeps secrets in Secrets, artifacts in an object store, and accepts its own clients."""
     problems: list[str] = []
@@ -595,12 +608,7 @@ def check_mlflow(docs: list[Doc]) -> list[str]:
     if deployment is None or service is None:
         return ["MLflow Deployment and Service named mlflow are missing"]
     template = deployment["spec"]["template"]
-    labels = (template.get("metadata") or {}).get("labels") or {}
-    selector = deployment["spec"].get("selector", {}).get("matchLabels") or {}
-    if not selector or any(labels.get(k) != v for k, v in selector.items()):
-        problems.append(f"Deployment/mlflow selector {selector} does not match its pod labels {labels}")
-    if any(labels.get(k) != v for k, v in (service["spec"].get("selector") or {}).items()):
-        problems.append(f"Service/mlflow selector {service['spec'].get('selector')} matches no MLflow pod")
+    problems.extend(_selector_problems(deployment, service, "MLflow pod"))
     container = template["spec"]["containers"][0]
     args = [str(a) for a in container.get("command", []) + container.get("args", [])]
     destination = _arg_value(args, "--artifacts-destination") or ""
@@ -648,14 +656,9 @@ def check_search(docs: list[Doc]) -> list[str]:
     deployment, service = _find(docs, "Deployment", SEARCH), _find(docs, "Service", SEARCH)
     if deployment is None or service is None:
         return [f"Deployment and Service named {SEARCH} are missing"]
-    problems: list[str] = []
+    problems = _selector_problems(deployment, service, "search pod")
     template = deployment["spec"]["template"]
     labels = (template.get("metadata") or {}).get("labels") or {}
-    selector = deployment["spec"].get("selector", {}).get("matchLabels") or {}
-    if not selector or any(labels.get(k) != v for k, v in selector.items()):
-        problems.append(f"Deployment/{SEARCH} selector {selector} does not match its pod labels {labels}")
-    if any(labels.get(k) != v for k, v in (service["spec"].get("selector") or {}).items()):
-        problems.append(f"Service/{SEARCH} selector {service['spec'].get('selector')} matches no search pod")
     policy = _find(docs, "NetworkPolicy", "mlflow-clients") or {}
     admitted = [
         (source.get("podSelector") or {}).get("matchLabels") or {}
