@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -157,14 +158,23 @@ def test_checkpoint_round_trip_continues_the_run(glyphs_root: Path, tmp_path: Pa
 
 def test_nan_steps_are_skipped_then_fail_clearly(glyphs_root: Path, tmp_path: Path) -> None:
     config, run_id, uri = _setup(
-        tmp_path, glyphs_root, "train.steps=10", "train.max_skipped_steps=2", "train.eval_every=100"
+        tmp_path,
+        glyphs_root,
+        "train.steps=10",
+        "train.max_skipped_steps=2",
+        "train.eval_every=100",
+        "data.loader_workers=1",
     )
     loop = WorkerLoop(config, run_id, uri, LocalContext(tmp_path))
     with torch.no_grad():
         loop.net.embedding.bias.fill_(float("nan"))  # every embedding becomes NaN
     before = {k: v.clone() for k, v in loop.net.state_dict().items()}
+    children = set(multiprocessing.active_children())
     with pytest.raises(NonFiniteLossError, match="max_skipped_steps=2"):
         loop.run()
+    # The failed loop stopped its loader process itself: killed with the Ray worker, it would leave its
+    # /tmp/pymp-* folder behind.
+    assert set(multiprocessing.active_children()) <= children
     assert loop.counters.skipped_steps == 3
     for key, value in before.items():  # no update reached the weights or the BatchNorm statistics
         torch.testing.assert_close(loop.net.state_dict()[key], value, msg=key, equal_nan=True)

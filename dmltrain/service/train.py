@@ -622,6 +622,9 @@ class WorkerLoop:
         finally:
             if self.batches is not None:
                 self.batches.close()
+            # Loader processes stopped here exit cleanly; left to Ray's end of the worker, they are killed
+            # and each leaves its multiprocessing folder (/tmp/pymp-*) behind.
+            self.stream.close()
 
     def _describe_device(self) -> None:
         """Rank 0 tags the MLflow run with what actually ran (after the first step: compile is lazy)."""
