@@ -497,9 +497,10 @@ def _post(url: str, body: dict) -> dict:
 
 
 def test_an_index_served_over_http_returns_what_search_prints(
-    served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`dmltrain index` logs the search model (index + model) to the run; `mlflow.pyfunc.load_model` on it,
+    """`dmltrain index` logs the search model (index + model, one download of the model for both) to the
+    run; `mlflow.pyfunc.load_model` on it,
     `dmltrain serve` (MLflow's scoring server, a real HTTP server) and `dmltrain serve --save` all return
     the neighbours `dmltrain search` prints. SIGTERM stops the server's processes and removes its copy."""
     import base64
@@ -518,7 +519,14 @@ def test_an_index_served_over_http_returns_what_search_prints(
     assert cli([*refused, *tracking]) == 2
     assert "registering the search model needs it logged to the model's run" in capsys.readouterr().err
     args = ["index", model, str(served.glyphs), "--out", str(index_dir), "--register", "glyph-search"]
+    from dmltrain.service.serving import loading
+
+    downloads: list[str] = []
+    download = loading._download
+    monkeypatch.setattr(loading, "_download", lambda *a: downloads.append(a[0]) or download(*a))
     assert cli([*args, *tracking]) == 0
+    assert downloads == [model]  # it was downloaded twice: to embed, then to log the search model
+    monkeypatch.setattr(loading, "_download", download)
     search_model = f"runs:/{served.run_id}/search_glyphs_test"
     printed = capsys.readouterr().out
     assert f"search model: {search_model} (serve it: mlflow models serve -m {search_model}" in printed

@@ -31,6 +31,7 @@ from dmltrain.service.serving.loading import (
     is_mlflow_uri,
     load_embedding_model,
     located,
+    model_from_weights,
 )
 
 log = logging.getLogger("dmltrain.service.serving.indexing")
@@ -104,65 +105,66 @@ def build_split_index(
             "registering the search model needs it logged to the model's run: a runs:/ or models:/ model, "
             "without --no-log or --no-search-model"
         )
-    model = load_embedding_model(model_ref, tracking_uri)
-    info = load_dataset_info(data_root)
-    split = split or default_split(info)
-    info.split(split)  # a missing split is an error that lists the splits
-    started = time.perf_counter()
-    embedded = embed_split(model, data_root, split, batch_size, workers)
-    embed_seconds = time.perf_counter() - started
-    spec = choose_spec(*embedded.embeddings.shape, kind)  # type: ignore[arg-type]
-    built = build_index(embedded.embeddings, spec)
-    name = f"{info.name}_{split}"
-    target = Path(out) if out is not None else Path.cwd() / f"index_{name}"
-    present = sorted({int(c) for c in embedded.ids.label})
-    meta = {
-        "model": model.source,
-        "run_id": model.run_id,
-        "model_step": model.step,
-        "data_root": _absolute(data_root),
-        "dataset": info.name,
-        "split": split,
-        "class_names": {str(c): info.class_names[c] for c in present if 0 <= c < len(info.class_names)},
-        "embed_seconds": round(embed_seconds, 3),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    save_index(target, built, embedded.ids, meta)
-    if log_to_run and model.run_id and is_mlflow_uri(model_ref):
-        from mlflow.tracking import MlflowClient
+    with located(model_ref, tracking_uri) as (weights, run_id):  # one download for embedding and logging
+        model = model_from_weights(weights, model_ref, run_id)
+        info = load_dataset_info(data_root)
+        split = split or default_split(info)
+        info.split(split)  # a missing split is an error that lists the splits
+        started = time.perf_counter()
+        embedded = embed_split(model, data_root, split, batch_size, workers)
+        embed_seconds = time.perf_counter() - started
+        spec = choose_spec(*embedded.embeddings.shape, kind)  # type: ignore[arg-type]
+        built = build_index(embedded.embeddings, spec)
+        name = f"{info.name}_{split}"
+        target = Path(out) if out is not None else Path.cwd() / f"index_{name}"
+        present = sorted({int(c) for c in embedded.ids.label})
+        meta = {
+            "model": model.source,
+            "run_id": model.run_id,
+            "model_step": model.step,
+            "data_root": _absolute(data_root),
+            "dataset": info.name,
+            "split": split,
+            "class_names": {str(c): info.class_names[c] for c in present if 0 <= c < len(info.class_names)},
+            "embed_seconds": round(embed_seconds, 3),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        save_index(target, built, embedded.ids, meta)
+        if log_to_run and model.run_id and is_mlflow_uri(model_ref):
+            from mlflow.tracking import MlflowClient
 
-        from dmltrain.service.tracking import resolve_tracking_uri
+            from dmltrain.service.tracking import resolve_tracking_uri
 
-        tracking = resolve_tracking_uri(tracking_uri)
-        MlflowClient(tracking).log_artifacts(model.run_id, str(target), f"indexes/{name}")
-        meta["logged_to"] = f"runs:/{model.run_id}/indexes/{name}"
-        if search_model:
-            logged = log_search_model(
-                tracking, model.run_id, f"search_{name}", model_ref, target, step=model.step or 0
-            )
-            meta["search_model"] = f"runs:/{model.run_id}/search_{name}"
-            if register_as:
-                from dmltrain.service.serving.publish import register
-
-                meta["registered"] = register(
-                    tracking, model.run_id, register_as, f"search_{name}", logged.model_uri
+            tracking = resolve_tracking_uri(tracking_uri)
+            MlflowClient(tracking).log_artifacts(model.run_id, str(target), f"indexes/{name}")
+            meta["logged_to"] = f"runs:/{model.run_id}/indexes/{name}"
+            if search_model:
+                logged = log_search_model(
+                    tracking, model.run_id, f"search_{name}", weights, target, step=model.step or 0
                 )
-    meta.update(
-        {"ntotal": built.ntotal, "description": spec.describe(), "build_seconds": built.build_seconds}
-    )
-    return target, meta
+                meta["search_model"] = f"runs:/{model.run_id}/search_{name}"
+                if register_as:
+                    from dmltrain.service.serving.publish import register
+
+                    meta["registered"] = register(
+                        tracking, model.run_id, register_as, f"search_{name}", logged.model_uri
+                    )
+        meta.update(
+            {"ntotal": built.ntotal, "description": spec.describe(), "build_seconds": built.build_seconds}
+        )
+        return target, meta
 
 
 def log_search_model(
-    tracking: str, run_id: str, name: str, model_ref: str, index_dir: Path, *, step: int
+    tracking: str, run_id: str, name: str, weights: Path, index_dir: Path, *, step: int
 ) -> Any:
-    """Log the index with its model as the search pyfunc ``name`` of ``run_id`` (`search_model`), so
-    ``mlflow models serve -m runs:/<run_id>/<name>`` serves it; returns MLflow's ModelInfo."""
+    """Log the index with its model's weights file as the search pyfunc ``name`` of ``run_id``
+    (`search_model`), so ``mlflow models serve -m runs:/<run_id>/<name>`` serves it; returns MLflow's
+    ModelInfo."""
     from dmltrain.service.serving.pyfunc import log_pyfunc
     from dmltrain.service.serving.search_model import search_parts
 
-    with located(model_ref, tracking) as (weights, _run_id):
-        return log_pyfunc(tracking, run_id, name, search_parts(weights, index_dir), step=step)
+    return log_pyfunc(tracking, run_id, name, search_parts(weights, index_dir), step=step)
 
 
 @contextlib.contextmanager

@@ -168,7 +168,15 @@ def load_embedding_model(
 ) -> LoadedModel:
     """Load a model by reference (see module docstring) onto ``device`` (default: CUDA when available)."""
     with located(ref, tracking_uri) as (weights, run_id):
-        saved = load_weights(weights)
+        return model_from_weights(weights, ref, run_id, device)
+
+
+def model_from_weights(
+    weights: Path, ref: str, run_id: str | None, device: torch.device | None = None
+) -> LoadedModel:
+    """The model of a weights file already at hand (``located``), recorded as coming from ``ref``: a caller
+    that needs the file again (the search model logs it) downloads it once."""
+    saved = load_weights(weights)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     net, config, preprocessing = network_from_weights(saved, device)
     source = ref if is_mlflow_uri(ref) else str(Path(ref).expanduser().resolve())
