@@ -452,7 +452,7 @@ def test_checkpoint_scores_rank_checkpoints_as_the_tracker_does() -> None:
 def test_logging_a_model_draws_no_download_bars(served: Served, tmp_path: Path) -> None:
     # MLflow loads a logged model back to check its input example: a local "download" that drew two bars
     # per model in every run's output (seen in a fresh process and store, as a run's driver has them);
-    # and every `dmltrain index/search/serve` of a runs:/ model drew them too.
+    # every `dmltrain index/search/serve` of a runs:/ model drew them too, and every relaunch one.
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     code = textwrap.dedent(
         f"""
@@ -468,6 +468,10 @@ def test_logging_a_model_draws_no_download_bars(served: Served, tmp_path: Path) 
         from dmltrain.service.serving.loading import load_embedding_model
         load_embedding_model("runs:/" + run.info.run_id + "/model", {uri!r})
         assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ
+        # A relaunch reads the run's stored config (one small YAML file) to compare it: no bar.
+        from dmltrain.service.tracking import find_run, start_or_resume_run
+        start_or_resume_run({uri!r}, "quiet", "key", "name", {{}}, "train: {{steps: 5}}")
+        assert find_run({uri!r}, "quiet", "key").config == {{"train": {{"steps": 5}}}}
         """
     )
     drawn = ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "TQDM_DISABLE")  # conftest turns tqdm off for the suite

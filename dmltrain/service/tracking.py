@@ -24,6 +24,8 @@ import yaml
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
 
+from dmltrain.service.serving.uris import no_artifact_bars
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -176,7 +178,8 @@ def _latest_config(client: MlflowClient, run_id: str) -> dict[str, Any] | None:
 
 
 def _read_yaml(client: MlflowClient, run_id: str, path: str) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as directory:
+    # One small file: MLflow's download bar for it only cluttered a relaunch's first lines.
+    with tempfile.TemporaryDirectory() as directory, no_artifact_bars():
         local = client.download_artifacts(run_id, path, directory)
         data = yaml.safe_load(Path(local).read_text())
     return data if isinstance(data, dict) else {}
