@@ -19,7 +19,12 @@ from dmltrain.data.errors import decode_failure
 from dmltrain.data.transforms import Transform, decode, flatten
 from dmltrain.models import normalize_images
 
-__all__ = ["embed_batch", "embed_images", "image_tensor"]
+__all__ = ["ImageInputError", "embed_batch", "embed_images", "image_tensor"]
+
+
+class ImageInputError(ValueError):
+    """An input image that cannot be read; the message names it (``image 3: ...``), so a server can hand
+    it back to its client as the request's fault."""
 
 
 def image_tensor(image: Any, what: str = "image") -> torch.Tensor:
@@ -30,19 +35,19 @@ def image_tensor(image: Any, what: str = "image") -> torch.Tensor:
         try:
             image = base64.b64decode(image, validate=True)
         except (binascii.Error, ValueError):
-            raise ValueError(f"{what}: a string must be base64-encoded image bytes") from None
+            raise ImageInputError(f"{what}: a string must be base64-encoded image bytes") from None
     if isinstance(image, bytes | bytearray | memoryview):
         try:
             return decode(bytes(image))
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
-            raise ValueError(f"{what}: cannot decode the image bytes ({decode_failure(exc)})") from exc
+            raise ImageInputError(f"{what}: cannot decode the image bytes ({decode_failure(exc)})") from exc
     a = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
     if a.dtype != np.uint8:
-        raise ValueError(f"{what}: arrays must be uint8 (H, W, C), got dtype {a.dtype}")
+        raise ImageInputError(f"{what}: arrays must be uint8 (H, W, C), got dtype {a.dtype}")
     if a.ndim == 2:
         a = a[:, :, None]
     if a.ndim != 3 or a.shape[2] not in (1, 3, 4) or min(a.shape[:2]) < 1:
-        raise ValueError(f"{what}: expected a (H, W, C) array with C in 1, 3 or 4, got shape {a.shape}")
+        raise ImageInputError(f"{what}: expected a (H, W, C) array with C in 1, 3 or 4, got shape {a.shape}")
     if a.shape[2] == 4:
         a = np.asarray(flatten(Image.fromarray(np.ascontiguousarray(a), "RGBA")))
     a = np.repeat(a, 3, axis=2) if a.shape[2] == 1 else a

@@ -618,13 +618,17 @@ def test_an_index_served_over_http_returns_what_search_prints(
             {"dataframe_split": {"columns": ["image"], "data": [[p] for p in payload]}, "params": {"k": 4}},
         )
         assert_same(rows(answer["predictions"]))
-        # A request the model cannot answer is MLflow's 400, its trace ending in the line naming the input.
+        # A request the model cannot answer is a 400 whose message names the input at fault (MLflow's
+        # generic message said only that evaluating the model failed; ours was the trace's last line).
         bad = {"dataframe_split": {"columns": ["image"], "data": [[payload[0]], ["bm90IGFuIGltYWdl"]]}}
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            _post(f"http://127.0.0.1:{port}/invocations", bad)
-        assert refused.value.code == 400
-        trace = json.loads(refused.value.read())["stack_trace"].strip().splitlines()[-1]
-        assert trace.startswith("ValueError: image 1: cannot decode the image bytes"), trace
+        zero = {"dataframe_split": {"columns": ["image"], "data": [[payload[0]]]}, "params": {"k": 0}}
+        for request, fault in ((bad, "image 1: cannot decode the image bytes"), (zero, "k must be >= 1")):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                _post(f"http://127.0.0.1:{port}/invocations", request)
+            assert refused.value.code == 400
+            answer = json.loads(refused.value.read())
+            assert answer["error_code"] == "BAD_REQUEST" and fault in answer["message"], answer
+            assert "unexpected error" not in answer["message"] and len(answer["message"]) < 2000, answer
         assert [d.name for d in scratch.iterdir() if d.name.startswith("dmltrain-serve-")]  # its model copy
     finally:
         server.send_signal(signal.SIGTERM)

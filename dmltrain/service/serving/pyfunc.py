@@ -22,7 +22,10 @@ from typing import Any
 import mlflow
 import numpy as np
 import torch
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import BAD_REQUEST
 
+from dmltrain.inference import ImageInputError
 from dmltrain.service.serving.uris import no_artifact_bars, tracking_uri
 from dmltrain.service.serving.weights import WEIGHTS_FILE, load_weights
 
@@ -54,10 +57,10 @@ def _images(model_input: Any) -> list[Any]:
             return list(model_input["image"])
         if len(model_input.columns) == 1:
             return list(model_input.iloc[:, 0])
-        raise ValueError(f"expected an 'image' column, got columns {list(model_input.columns)}")
+        raise ImageInputError(f"expected an 'image' column, got columns {list(model_input.columns)}")
     if isinstance(model_input, dict):
         if "image" not in model_input:
-            raise ValueError(f"expected an 'image' key, got {sorted(model_input)}")
+            raise ImageInputError(f"expected an 'image' key, got {sorted(model_input)}")
         value = model_input["image"]
         return (
             list(value)
@@ -97,10 +100,30 @@ class EmbeddingModel(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
         from dmltrain.inference import embed_images
 
-        batch_size = int((params or {}).get("batch_size", 64))
-        return embed_images(
-            self.net, _images(model_input), self.transform, self.device, batch_size, self.normalize
-        )
+        batch_size = request_param(params, "batch_size", 64)
+        try:
+            return embed_images(
+                self.net, _images(model_input), self.transform, self.device, batch_size, self.normalize
+            )
+        except ImageInputError as exc:
+            raise BadRequestError(str(exc)) from exc
+
+
+class BadRequestError(MlflowException, ValueError):
+    """A request the model cannot answer (an unreadable image, k=0). MLflow's scoring server answers an
+    MlflowException with its message (400 for BAD_REQUEST), any other error with a generic one that left
+    ours only at the end of its stack trace; in a Python caller it is still a ValueError."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, error_code=BAD_REQUEST)
+
+
+def request_param(params: dict[str, Any] | None, name: str, default: int) -> int:
+    """A positive integer parameter of a request (``batch_size``, ``k``), or its default."""
+    value = int((params or {}).get(name, default))
+    if value < 1:
+        raise BadRequestError(f"params: {name} must be >= 1, got {value}")
+    return value
 
 
 def pip_requirements(backbone: str) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from dmltrain.index import StoredIndex, load_index
-from dmltrain.service.serving.pyfunc import EmbeddingModel, PyfuncParts, embedding_parts
+from dmltrain.service.serving.pyfunc import EmbeddingModel, PyfuncParts, embedding_parts, request_param
 
 INDEX_ARTIFACT = "index"
 COLUMNS = ("query", "rank", "score", "id", "shard", "key", "class", "class_name")
@@ -45,8 +45,7 @@ class SearchModel(EmbeddingModel):
 
     def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
         embeddings = super().predict(context, model_input, params)
-        k = int((params or {}).get("k", 10))
-        return neighbours_frame(self.index, embeddings, k)
+        return neighbours_frame(self.index, embeddings, request_param(params, "k", 10))
 
 
 def neighbours_frame(stored: StoredIndex, embeddings: np.ndarray, k: int) -> Any:
