@@ -227,6 +227,20 @@ def test_eval_covers_the_split_exactly_once(shards: Path) -> None:
     assert len(seen) == len(set(seen)) == (CATEGORIES + 1) * IMAGES_PER_CLASS
 
 
+def test_a_capped_eval_reads_the_same_first_images_with_any_number_of_loader_workers(shards: Path) -> None:
+    """eval.max_images: the first images of the rank's shards in shard order. Cutting the loader's output
+    took the first batches to arrive, which loader workers interleave: another set of images (and other
+    metrics) with each data.loader_workers."""
+    whole = [k for b in EvalLoader(shards, "test", 5, rank=0, world_size=1, image_size=8) for k in b[3]]
+    for cap in (0, 1, 7, len(whole), len(whole) + 3):
+        for workers in (0, 1, 3):
+            ev = EvalLoader(shards, "test", 5, num_workers=workers, image_size=8, max_images=cap)
+            keys = [k for b in ev for k in b[3]]
+            assert sorted(keys) == sorted(whole[:cap]) and ev.num_samples == len(keys), (cap, workers)
+    with pytest.raises(ValueError, match="max_images"):
+        EvalLoader(shards, "test", 5, max_images=-1)
+
+
 def test_split_group_keeps_every_part_at_least_two() -> None:
     def group(n: int) -> list[Sample]:
         return [Sample(key=str(i), data=b"", cls=0, category=0) for i in range(n)]

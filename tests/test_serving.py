@@ -184,21 +184,12 @@ def test_registry_holds_the_runs_model(served: Served) -> None:
 def test_evaluate_takes_local_runs_and_models_references(
     served: Served, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Every kind of model reference gives the same metrics, and so do 2 decoding processes."""
     results = {}
-    for ref in (str(served.weights), f"runs:/{served.run_id}/model", f"models:/{REGISTERED}/1"):
-        code = cli(
-            [
-                "evaluate",
-                ref,
-                str(served.glyphs),
-                "--max-images",
-                "300",
-                "--batch-size",
-                "100",
-                "--tracking-uri",
-                served.tracking_uri,
-            ]
-        )
+    refs = [(str(served.weights), []), (f"runs:/{served.run_id}/model", ["--workers", "2"])]
+    for ref, workers in [*refs, (f"models:/{REGISTERED}/1", [])]:
+        options = ["--max-images", "300", "--batch-size", "100", "--tracking-uri", served.tracking_uri]
+        code = cli(["evaluate", ref, str(served.glyphs), *options, *workers])
         assert code == 0, ref
         results[ref] = json.loads(capsys.readouterr().out)
     first, *others = results.values()
@@ -215,6 +206,14 @@ def test_evaluate_takes_local_runs_and_models_references(
         ]
     )
     assert code == 2 and "error" in capsys.readouterr().err
+
+
+def test_decoding_processes_default_to_none_on_a_cpu_and_the_host_cores_on_a_gpu() -> None:
+    from dmltrain.data.pools import available_cpus
+    from dmltrain.service.serving.loading import default_decode_workers
+
+    assert default_decode_workers(torch.device("cpu")) == 0
+    assert default_decode_workers(torch.device("cuda", 0)) == min(8, available_cpus(64) - 1)
 
 
 def test_index_and_search_cli(served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

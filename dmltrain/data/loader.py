@@ -637,12 +637,13 @@ class TrainLoader:
 class EvalStream(IterableDataset):
     def __init__(
         self,
-        urls: list[tuple[int, str, int]],
+        urls: list[tuple[int, str, int, int]],
         batch_size: int,
         transform: Transform,
         with_shards: bool = False,
     ) -> None:
-        """`urls`: (shard index, url, samples dataset.json lists) of each shard this rank reads."""
+        """`urls`: (shard index, url, samples dataset.json lists, samples to read: its first ones) of each
+        shard this rank reads."""
         super().__init__()
         self.urls, self.batch_size, self.transform = urls, batch_size, transform
         self.with_shards = with_shards
@@ -655,8 +656,8 @@ class EvalStream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         batch: list[Sample] = []
-        for shard, url, expected in self.urls[worker::workers]:
-            for sample in read_shard(url, shard=shard, expected=expected):
+        for shard, url, expected, take in self.urls[worker::workers]:
+            for sample in itertools.islice(read_shard(url, shard=shard, expected=expected), take):
                 batch.append(sample)
                 if len(batch) == self.batch_size:
                     yield self._emit(batch)
@@ -669,7 +670,9 @@ class EvalLoader:
     """Batches `(images, labels, categories, sample_keys)` of one split with the test transform; shard i
     goes to rank i mod world, so the union over ranks is the split exactly once. `rank_counts` gives
     every rank's number of samples (from dataset.json) for padding an all-gather. With `with_shards`
-    each batch also carries the shard index of every sample (an index's id map needs it)."""
+    each batch also carries the shard index of every sample (an index's id map needs it). `max_images`
+    caps what each rank reads to the first images of its shards in shard order, so a capped evaluation
+    sees the same images whatever the number of loader workers (which interleave their batches)."""
 
     def __init__(
         self,
@@ -686,6 +689,7 @@ class EvalLoader:
         resize_mode: ResizeMode = "shorter_side",
         info: DatasetInfo | None = None,
         with_shards: bool = False,
+        max_images: int | None = None,
     ) -> None:
         self.root = str(root)
         self.info = info or load_dataset_info(root)
@@ -699,12 +703,23 @@ class EvalLoader:
             sum(shards[i].num_samples for i in rank_shards(len(shards), r, self.world_size))
             for r in range(self.world_size)
         ]
+        if max_images is not None:
+            if max_images < 0:
+                raise ValueError(f"max_images must be >= 0, got {max_images}")
+            self.rank_counts = [min(count, max_images) for count in self.rank_counts]
         self.num_samples = self.rank_counts[self.rank]
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.transform = transform or test_transform(image_size, resize, resize_mode)
         self.image_size = output_side(self.transform, image_size)
-        self._urls = [(i, urls[i], shards[i].num_samples) for i in self.shards]
+        self._urls = []
+        left = self.num_samples
+        for i in self.shards:
+            if left == 0:
+                break
+            take = min(shards[i].num_samples, left)
+            self._urls.append((i, urls[i], shards[i].num_samples, take))
+            left -= take
 
     def __len__(self) -> int:
         """Upper bound on batches (exact with 0 or 1 loader workers)."""

@@ -21,6 +21,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 <= value < 1.0:
@@ -188,6 +195,15 @@ def _add_tracking_uri(parser: argparse.ArgumentParser) -> None:
 _MODEL_HELP = "a model.pt or MLflow model folder, runs:/<run_id>/model, or models:/<name>/<version>"
 
 
+def _add_decode_workers(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workers",
+        type=_non_negative_int,
+        default=None,
+        help="image decoding processes (default: none on a CPU, all cores but one on a GPU, at most 8)",
+    )
+
+
 def _register_evaluate(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Evaluate a trained model on a prepared data set with the data set's protocol, in this process (no "
@@ -197,6 +213,7 @@ def _register_evaluate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("data_root", help="directory or URL with dataset.json and shards")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--max-images", type=int, default=None, help="cap per split for a quick look")
+    _add_decode_workers(parser)
     parser.add_argument(
         "--index",
         choices=["exact", "auto", "flat", "ivfpq", "hnsw"],
@@ -219,6 +236,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
             args.max_images,
             tracking_uri=args.tracking_uri,
             index=args.index,
+            workers=args.workers,
         )
     except (ValueError, FileNotFoundError, KeyError) as exc:
         print(f"dmltrain evaluate: error: {exc}", file=sys.stderr)
@@ -241,7 +259,7 @@ def _register_index(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="index directory (default: ./index_<dataset>_<split>)")
     parser.add_argument("--kind", choices=["auto", "flat", "ivfpq", "hnsw"], default="auto")
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--workers", type=int, default=0, help="image decoding processes")
+    _add_decode_workers(parser)
     parser.add_argument(
         "--no-log", action="store_true", help="do not log the index to the model's MLflow run"
     )

@@ -95,18 +95,6 @@ class EmbeddedSplit:
     thumbnails: dict[int, np.ndarray] = field(default_factory=dict)  # this rank's rows only, global index
 
 
-def _first_images(loader: EvalLoader, limit: int | None) -> Iterator[Batch]:
-    """The loader's first ``limit`` images (``eval.max_images`` per rank), the last batch cut to fit."""
-    seen = 0
-    for images, labels, _categories, _keys in loader:
-        if limit is not None and seen >= limit:
-            return
-        if limit is not None and seen + len(images) > limit:
-            images, labels = images[: limit - seen], labels[: limit - seen]
-        yield images, labels
-        seen += len(images)
-
-
 def _thumbnail(images: torch.Tensor) -> torch.Tensor:
     if images.shape[-1] <= THUMBNAIL_SIZE:
         return images
@@ -149,10 +137,10 @@ def embed_split(
             num_workers=config.data.loader_workers,
             transform=preprocessing.test_transform(),
             info=info,
+            max_images=None if config.eval.max_images is None else config.eval.max_images // world,
         )
-        limit = None if config.eval.max_images is None else config.eval.max_images // world
-        batches = _first_images(loader, limit)
-        total = loader.num_samples if limit is None else min(limit, loader.num_samples)
+        batches = ((images, labels) for images, labels, _categories, _keys in loader)
+        total = loader.num_samples
         if cache is not None:
             batches = cache.collect(split, batches)
     was_training = net.training

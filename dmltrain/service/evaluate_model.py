@@ -12,7 +12,7 @@ from pathlib import Path
 from dmltrain.data import load_dataset_info
 from dmltrain.service.config import ExperimentConfig
 from dmltrain.service.distributed_eval import evaluate
-from dmltrain.service.serving.loading import load_embedding_model
+from dmltrain.service.serving.loading import default_decode_workers, load_embedding_model
 
 
 def evaluate_saved_model(
@@ -23,13 +23,17 @@ def evaluate_saved_model(
     *,
     tracking_uri: str | None = None,
     index: str | None = None,
+    workers: int | None = None,
 ) -> dict[str, float]:
     """Recall@K, mAP, MAP@R and R-precision of ``model`` on every evaluation ``data_root`` defines.
 
-    ``index`` overrides ``eval.index`` (``exact``, ``auto`` or a faiss kind for approximate search)."""
+    ``index`` overrides ``eval.index`` (``exact``, ``auto`` or a faiss kind for approximate search);
+    ``workers`` loader processes decode the images (default: `default_decode_workers`)."""
     loaded = load_embedding_model(str(model), tracking_uri)
+    if workers is None:
+        workers = default_decode_workers(loaded.device)
     raw = loaded.config.model_dump(mode="json")
-    raw["data"] = {**raw["data"], "root": data_root, "prepare": None, "loader_workers": 0}
+    raw["data"] = {**raw["data"], "root": data_root, "prepare": None, "loader_workers": workers}
     raw["eval"] = {**raw["eval"], "batch_size": batch_size, "max_images": max_images, "grid_queries": 0}
     if index is not None:
         raw["eval"]["index"] = index

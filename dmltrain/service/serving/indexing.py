@@ -27,6 +27,7 @@ from dmltrain.index import IdMap, StoredIndex, build_index, choose_spec, load_in
 from dmltrain.inference import embed_batch, embed_images, image_tensor
 from dmltrain.service.serving.loading import (
     LoadedModel,
+    default_decode_workers,
     downloaded,
     is_mlflow_uri,
     load_embedding_model,
@@ -90,14 +91,15 @@ def build_split_index(
     *,
     kind: str = "auto",
     batch_size: int = 128,
-    workers: int = 0,
+    workers: int | None = None,
     tracking_uri: str | None = None,
     log_to_run: bool = True,
     search_model: bool = True,
     register_as: str | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Embed ``split`` of ``data_root`` with the model, build the index ``kind`` (auto: by size), store it
-    in ``out`` (default ``./index_<dataset>_<split>``); log it to the model's run when there is one, and
+    in ``out`` (default ``./index_<dataset>_<split>``), decoding in ``workers`` loader processes (default:
+    `default_decode_workers`); log it to the model's run when there is one, and
     (``search_model``) the search pyfunc of the index and the model beside it, registered as a new version
     of ``register_as`` if given."""
     if register_as and not (log_to_run and search_model and is_mlflow_uri(model_ref)):
@@ -111,6 +113,8 @@ def build_split_index(
         split = split or default_split(info)
         info.split(split)  # a missing split is an error that lists the splits
         started = time.perf_counter()
+        if workers is None:
+            workers = default_decode_workers(model.device)
         embedded = embed_split(model, data_root, split, batch_size, workers)
         embed_seconds = time.perf_counter() - started
         spec = choose_spec(*embedded.embeddings.shape, kind)  # type: ignore[arg-type]
