@@ -4,7 +4,11 @@ FastAP category pairs across ranks, exact resume, eval coverage."""
 from __future__ import annotations
 
 import csv
+import gc
+import multiprocessing
 import os
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -225,6 +229,28 @@ def test_eval_covers_the_split_exactly_once(shards: Path) -> None:
         assert len(keys) == ev.num_samples == ev.rank_counts[rank]
         seen += keys
     assert len(seen) == len(set(seen)) == (CATEGORIES + 1) * IMAGES_PER_CLASS
+
+
+def test_a_loader_dropped_without_close_stops_its_thread_and_worker_processes(shards: Path) -> None:
+    """With two loader workers the loader joins ahead in a thread, which held the loader itself: a loader
+    dropped without close() kept its thread and worker processes as long as the process lived. A closed
+    one starts again where it was."""
+    children, threads = set(multiprocessing.active_children()), set(threading.enumerate())
+    train = loader(shards, "pk", workers=2)
+    assert train.joins_ahead
+    first = train.next_batch()[3]
+    assert len(set(multiprocessing.active_children()) - children) == 2
+    train.close()
+    again = loader(shards, "pk", workers=2)
+    again.next_batch()
+    assert again.next_batch()[3] == train.next_batch()[3] != first  # step 2 of both, after a restart
+    train.close()
+    del train, again
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while set(multiprocessing.active_children()) - children or set(threading.enumerate()) - threads:
+        assert time.monotonic() < deadline, (multiprocessing.active_children(), threading.enumerate())
+        time.sleep(0.1)
 
 
 def test_a_capped_eval_reads_the_same_first_images_with_any_number_of_loader_workers(shards: Path) -> None:

@@ -23,6 +23,7 @@ import math
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -335,6 +336,19 @@ def _read_step(
     return expected_step, batch, keys, states
 
 
+def _finish_step(decoder: DeviceDecoder | None, item: _Step) -> _Step:
+    """Decode a step's encoded parts on the device (in the join thread when there is one)."""
+    step, joined, keys, states = item
+    if isinstance(joined, EncodedPart):
+        assert decoder is not None
+        try:
+            images: Tensor = decoder(joined, keys)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise DecodeMemoryError(str(exc)) from exc
+        joined = (images, joined.labels, joined.categories)
+    return step, joined, keys, states
+
+
 @dataclass
 class _Shipped:
     """A worker's part as references to its shared buffers (`dmltrain.data.slots`), rebuilt as views."""
@@ -366,7 +380,7 @@ class _JoinAhead:
 
     def __init__(self, read: Callable[[], _Step]) -> None:
         """read: the next step's batch, read and joined (`_read_step`), then finished (decoded on the
-        device, `TrainLoader._finish`)."""
+        device, `_finish_step`)."""
         self._queue: queue.Queue[_Step | BaseException] = queue.Queue(maxsize=1)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(read,), daemon=True)
@@ -496,6 +510,7 @@ class TrainLoader:
         self._worker_states: dict[int, dict[str, Any]] = {}
         self._source: Callable[[], _Step] | None = None
         self._joiner: _JoinAhead | None = None
+        self._dropped: weakref.finalize | None = None  # stops the join thread when the loader is dropped
         self._decoder: DeviceDecoder | None = None
         self._slots: SlotReader | None = None
         if self.decode == "gpu":
@@ -527,11 +542,15 @@ class TrainLoader:
             iterator = iter(self._dataloader())
             steps = itertools.count(self.step)
             read = functools.partial(_read_step, iterator, self.workers, steps, self.pin_memory, self._slots)
+            finish = functools.partial(_finish_step, self._decoder)
             if self.joins_ahead:
-                self._joiner = _JoinAhead(lambda: self._finish(read()))
+                # The thread holds the DataLoader but not this loader, so a loader dropped without close()
+                # stops it and, with it, its worker processes (they lived as long as the process did).
+                self._joiner = _JoinAhead(lambda: finish(read()))
+                self._dropped = weakref.finalize(self, self._joiner.close)
                 self._source = self._joiner.get
             else:  # one part is the batch: nothing to join, and no thread beside the caller's RNG use
-                self._source = lambda: self._finish(read())
+                self._source = lambda: finish(read())
         with shared_memory_explained(self.shared_memory_bytes, "this rank's training loader"):
             step, (images, labels, categories), keys, states = self._source()
         if len(labels) != self.batch_size or step != self.step:
@@ -552,18 +571,6 @@ class TrainLoader:
             encoded_bytes_per_image=encoded_bytes_per_image(self.info, self.split),
             prefetch_factor=self.prefetch_factor,
         )
-
-    def _finish(self, item: _Step) -> _Step:
-        """Decode a step's encoded parts on the device (in the join thread when there is one)."""
-        step, joined, keys, states = item
-        if isinstance(joined, EncodedPart):
-            assert self._decoder is not None
-            try:
-                images: Tensor = self._decoder(joined, keys)
-            except torch.cuda.OutOfMemoryError as exc:
-                raise DecodeMemoryError(str(exc)) from exc
-            joined = (images, joined.labels, joined.categories)
-        return step, joined, keys, states
 
     def _dataloader(self) -> DataLoader:
         """A DataLoader from the current state; with worker processes, their parts come through shared
@@ -631,7 +638,9 @@ class TrainLoader:
         prefetched or joined ahead are dropped."""
         if self._joiner is not None:
             self._joiner.close()
-        self._source = self._joiner = None
+        if self._dropped is not None:
+            self._dropped.detach()  # else it would keep the closed thread's queue (a batch) alive
+        self._source = self._joiner = self._dropped = None
 
 
 class EvalStream(IterableDataset):
