@@ -187,6 +187,11 @@ def test_where_the_run_writes_is_checked_in_seconds(tmp_path: Path) -> None:
     assert _one_line_error(
         check_outputs, _config(f"run.storage_path={tmp_path / 'file'}"), "sqlite:///x.db"
     ) == (f"run.storage_path={tmp_path / 'file'}: is a file, not a directory")
+    # A scheme no tracking store takes: MLflow failed on it at the run lookup with a traceback about its
+    # model registry.
+    assert _one_line_error(check_outputs, ok, "ftp://mlflow.example/store").startswith(
+        "mlflow.tracking_uri=ftp://mlflow.example/store: MLflow has no tracking store for ftp: URIs (it has "
+    )
     closed = f"http://127.0.0.1:{_free_port()}"
     started = time.monotonic()
     assert "cannot connect to 127.0.0.1:" in _one_line_error(check_outputs, ok, closed)

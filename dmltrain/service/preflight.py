@@ -223,8 +223,12 @@ def check_outputs(config: ExperimentConfig, tracking_uri: str, timeout_s: float 
 
 
 def tracking_problem(uri: str, timeout_s: float = 5.0) -> str | None:
-    """Why the MLflow store at ``uri`` cannot be used, or None: a sqlite file whose folder cannot be
-    written, or a server (http, a database) that refuses or does not answer a connection."""
+    """Why the MLflow store at ``uri`` cannot be used, or None: a scheme MLflow has no store for, a sqlite
+    file whose folder cannot be written, or a server (http, a database) that refuses or does not answer a
+    connection."""
+    unknown = _unknown_store_scheme(uri)
+    if unknown:
+        return unknown
     store = sqlite_store_path(uri)
     if store is not None:
         folder = store.expanduser().absolute().parent
@@ -244,6 +248,22 @@ def tracking_problem(uri: str, timeout_s: float = 5.0) -> str | None:
         reason = error.strerror or str(error) or type(error).__name__
         return f"cannot connect to {parts.hostname}:{port} ({reason})"
     return _mlflow_server_problem(uri, timeout_s) if scheme in ("http", "https") else None
+
+
+def _unknown_store_scheme(uri: str) -> str | None:
+    """A URI whose scheme no tracking store (MLflow's own or a plugin's) takes: MLflow itself failed on
+    it with a traceback about its model registry when the driver first looked the run up."""
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
+    except ImportError:  # another MLflow layout: its own error will have to say it
+        return None
+    try:
+        registry.get_store_builder(uri)
+    except Exception:
+        known = ", ".join(sorted(f"{scheme}:" for scheme in getattr(registry, "_registry", {}) if scheme))
+        scheme = urlsplit(uri).scheme
+        return f"MLflow has no tracking store for {scheme}: URIs (it has {known}, and paths)"
+    return None
 
 
 def _mlflow_server_problem(uri: str, timeout_s: float) -> str | None:
