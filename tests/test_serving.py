@@ -654,3 +654,19 @@ def test_the_server_finds_uvicorn_and_shares_the_cpus(monkeypatch: pytest.Monkey
     assert env["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] == "false"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert server_environment(workers=4)["OMP_NUM_THREADS"] == "3"  # the user's setting is kept
+
+
+def test_serve_refuses_an_address_it_cannot_listen_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A port in use was MLflow's traceback once uvicorn had started; now one line before anything loads."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli(["serve", str(tmp_path / "index"), "--port", str(port)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"dmltrain serve: error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)"
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,23 @@ def server_environment(workers: int = 1) -> dict[str, str]:
     return env
 
 
+def address_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` (in use, not an address of this machine), or None.
+    Found here, before the model is saved and loaded, it is one line; found by uvicorn, it was MLflow's
+    traceback after the server had started."""
+    try:
+        family, kind, proto, _name, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        return f"--host {host}: not an address ({error.strerror})"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            probe.bind(address)
+        except OSError as error:
+            return f"--host {host} --port {port}: cannot listen there ({error.strerror or error})"
+    return None
+
+
 def _signal_group(server: subprocess.Popen[bytes], signum: int) -> bool:
     """Signal the server's process group; False when none of it is left."""
     try:
@@ -112,6 +130,9 @@ def serve_index(
     """Serve ``index`` until interrupted (Ctrl-C or SIGTERM, passed on to the server's processes); the
     saved model is removed when the server stops. Returns the server's exit status (0 when stopped by a
     signal)."""
+    problem = address_problem(host, port)
+    if problem:
+        raise ValueError(problem)
     with tempfile.TemporaryDirectory(prefix="dmltrain-serve-") as tmp:
         model_dir = Path(tmp) / "search_model"
         meta = save_search_model(index, model_dir, model=model, tracking_uri=tracking_uri)
