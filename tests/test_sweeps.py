@@ -114,6 +114,14 @@ def test_a_bad_trial_is_refused_naming_trial_and_key(tmp_path: Path) -> None:
         load_sweep(_write(tmp_path / "g.yaml", _spec(grid={"train.steps": []})))
     with pytest.raises(ConfigError, match=r"base config not found"):
         load_sweep(_write(tmp_path / "b.yaml", _spec(base="missing.yaml")))
+    # Every problem of the file, one line each (only the first was named, then "(and 2 more)").
+    with pytest.raises(ConfigError) as refused:
+        load_sweep(_write(tmp_path / "n.yaml", {"trials": [{"name": "a"}]}))
+    assert str(refused.value).splitlines()[1:] == [
+        "  name: Field required",
+        "  base: Field required",
+        "  trials: Extra inputs are not permitted",
+    ]
 
 
 def test_concurrency_follows_the_cluster(tmp_path: Path) -> None:

@@ -159,13 +159,12 @@ def load_sweep(
     raw = read_yaml_mapping(source, "sweep file")
     try:
         spec = SweepSpec.model_validate(raw)
-    except ValidationError as error:
-        first = error.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(
-            f"sweep file {source}: {key}: {first['msg'].removeprefix('Value error, ')}"
-            + (f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else "")
-        ) from None
+    except ValidationError as error:  # every problem, one line each, as a config's are
+        problems = []
+        for e in error.errors():
+            key = ".".join(str(p) for p in e["loc"]) or "(the file)"
+            problems.append(f"  {key}: {e['msg'].removeprefix('Value error, ')}")
+        raise ConfigError(f"invalid sweep file {source}:\n" + "\n".join(problems)) from None
     if name:
         spec = spec.model_copy(update={"name": name})
     base_path = (source.parent / spec.base).resolve()
