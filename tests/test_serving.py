@@ -208,12 +208,26 @@ def test_evaluate_takes_local_runs_and_models_references(
     assert code == 2 and "error" in capsys.readouterr().err
 
 
-def test_decoding_processes_default_to_none_on_a_cpu_and_the_host_cores_on_a_gpu() -> None:
-    from dmltrain.data.pools import available_cpus
-    from dmltrain.service.serving.loading import default_decode_workers
+def test_decoding_processes_default_to_none_on_a_cpu_and_what_the_host_allows_on_a_gpu(
+    served: Served,
+) -> None:
+    """On a GPU: the host cores but one, at most 8, and no more than the free /dev/shm holds."""
+    import dataclasses
 
-    assert default_decode_workers(torch.device("cpu")) == 0
-    assert default_decode_workers(torch.device("cuda", 0)) == min(8, available_cpus(64) - 1)
+    from dmltrain.data.pools import available_cpus
+    from dmltrain.data.shared_memory import eval_loader_bytes, shared_memory_size
+    from dmltrain.service.serving.loading import default_decode_workers, load_embedding_model
+
+    model = load_embedding_model(str(served.weights), device=torch.device("cpu"))
+    assert default_decode_workers(model, 128) == 0
+    on_gpu = dataclasses.replace(model, device=torch.device("cuda", 0))  # the choice only reads the type
+    cores = min(8, available_cpus(64) - 1)
+    side = model.preprocessing.resolution
+    free = shared_memory_size()[1]  # type: ignore[index]
+    assert eval_loader_bytes(128, cores, side) <= free  # so the cores decide at this batch
+    assert default_decode_workers(on_gpu, 128) == cores
+    huge = next(b for b in range(128, 1 << 40, 1 << 14) if eval_loader_bytes(b, 1, side) > free)
+    assert default_decode_workers(on_gpu, huge) == 0  # a batch /dev/shm cannot hold: none
 
 
 def test_index_and_search_cli(served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,7 +31,7 @@ def evaluate_saved_model(
     ``workers`` loader processes decode the images (default: `default_decode_workers`)."""
     loaded = load_embedding_model(str(model), tracking_uri)
     if workers is None:
-        workers = default_decode_workers(loaded.device)
+        workers = default_decode_workers(loaded, batch_size)
     raw = loaded.config.model_dump(mode="json")
     raw["data"] = {**raw["data"], "root": data_root, "prepare": None, "loader_workers": workers}
     raw["eval"] = {**raw["eval"], "batch_size": batch_size, "max_images": max_images, "grid_queries": 0}

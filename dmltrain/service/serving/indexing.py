@@ -114,7 +114,7 @@ def build_split_index(
         info.split(split)  # a missing split is an error that lists the splits
         started = time.perf_counter()
         if workers is None:
-            workers = default_decode_workers(model.device)
+            workers = default_decode_workers(model, batch_size)
         embedded = embed_split(model, data_root, split, batch_size, workers)
         embed_seconds = time.perf_counter() - started
         spec = choose_spec(*embedded.embeddings.shape, kind)  # type: ignore[arg-type]
