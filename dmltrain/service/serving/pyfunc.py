@@ -25,7 +25,7 @@ import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import BAD_REQUEST
 
-from dmltrain.inference import ImageInputError
+from dmltrain.inference import ImageInputError, embed_images
 from dmltrain.service.serving.uris import no_artifact_bars, tracking_uri
 from dmltrain.service.serving.weights import WEIGHTS_FILE, load_weights
 
@@ -98,8 +98,6 @@ class EmbeddingModel(mlflow.pyfunc.PythonModel):
 
     # model_input is left unannotated: MLflow would otherwise try to derive a schema from the type hint.
     def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
-        from dmltrain.inference import embed_images
-
         batch_size = request_param(params, "batch_size", 64)
         try:
             return embed_images(
