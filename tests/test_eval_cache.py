@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmltrain.data import prepare
+from dmltrain.data import EvalLoader, prepare
 from dmltrain.data.metadata import DatasetInfo
 from dmltrain.service.builders import build_network
 from dmltrain.service.config import ExperimentConfig, load_config
@@ -58,8 +58,8 @@ def test_second_evaluation_reads_no_shard_and_embeds_the_same(
     cache = EvalImageCache(64 << 20)
     _, first = _embed(root, info, cache, *overrides)
     kept = cache.batches("test")
-    assert kept is not None and sum(len(labels) for _, labels in kept) == len(plain.labels) > 400
-    assert cache.used_bytes == sum(images.nbytes + labels.nbytes for images, labels in kept)
+    assert kept is not None and sum(len(labels) for _, labels, _ in kept) == len(plain.labels) > 400
+    assert cache.used_bytes == sum(i.nbytes + labels.nbytes + s.nbytes for i, labels, s in kept)
     for path in root.glob("test-*.tar"):  # a streamed evaluation would now fail on a missing shard
         path.unlink()
     _, second = _embed(root, info, cache, *overrides)
@@ -95,7 +95,9 @@ def test_capped_evaluation_keeps_the_capped_images(small_glyphs: tuple[Path, Dat
     _, first = _embed(root, info, cache, "eval.max_images=100")
     _, second = _embed(root, info, cache, "eval.max_images=100")
     kept = cache.batches("test")
-    assert kept is not None and sum(len(labels) for _, labels in kept) == len(plain.labels) == 100  # 64 + 36
+    assert (
+        kept is not None and sum(len(labels) for _, labels, _ in kept) == len(plain.labels) == 100
+    )  # 64 + 36
     assert torch.equal(first.embeddings, plain.embeddings)
     assert torch.equal(second.embeddings, plain.embeddings)
 
@@ -106,3 +108,22 @@ def test_cache_mb_zero_turns_it_off(small_glyphs: tuple[Path, DatasetInfo]) -> N
     cache = EvalImageCache(config.eval.cache_mb << 20)
     _embed(root, info, cache)
     assert cache.batches("test") is None
+
+
+def test_rows_come_in_shard_order_whatever_the_number_of_loader_workers(tmp_path: Path) -> None:
+    """Two loader workers interleave their batches; the embedded split (and so the retrieval grid's
+    queries, chosen by position) must not depend on that."""
+    root = tmp_path / "glyphs"
+    info = prepare(
+        "glyphs", "-", root, min_faces=12, image_size=32, max_classes=40, shard_size=60, progress=False
+    )
+    assert len(info.split("test").shards) >= 4
+    results = [_embed(root, info, None, f"data.loader_workers={n}", "eval.batch_size=16")[1] for n in (0, 2)]
+    plain, interleaved = results
+    assert torch.equal(interleaved.labels, plain.labels)
+    # other batch compositions: the same rows to float rounding
+    torch.testing.assert_close(interleaved.embeddings, plain.embeddings, rtol=0, atol=1e-5)
+    assert all((interleaved.thumbnails[i] == plain.thumbnails[i]).all() for i in plain.thumbnails)
+    reader = EvalLoader(root, "test", 1000, info=info, with_shards=True)
+    labels = torch.cat([batch[1] for batch in reader])  # one process reads its shards front to back
+    assert torch.equal(plain.labels, labels)

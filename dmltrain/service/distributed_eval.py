@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 THUMBNAIL_SIZE = 48
 log = logging.getLogger(__name__)
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # uint8 images after the test transform, labels
+# uint8 images after the test transform, labels, the shard each image came from
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class EvalImageCache:
@@ -63,15 +64,15 @@ class EvalImageCache:
             return
         kept: list[Batch] | None = []
         size = 0
-        for images, labels in batches:
+        for images, labels, shards in batches:
             if kept is not None:
-                size += images.nbytes + labels.nbytes
+                size += images.nbytes + labels.nbytes + shards.nbytes
                 if self.used_bytes + size <= self.budget_bytes:
                     # a copy: a loader process's batch lives in shared memory, one file descriptor each
-                    kept.append((images.clone(), labels.clone()))
+                    kept.append((images.clone(), labels.clone(), shards.clone()))
                 else:
                     kept = None
-            yield images, labels
+            yield images, labels, shards
         if kept is None:
             self._streamed.add(split)
             log.info(
@@ -87,7 +88,8 @@ class EvalImageCache:
 
 @dataclass
 class EmbeddedSplit:
-    """A split's embeddings and labels in rank order (complete on rank 0 after the gather)."""
+    """A split's embeddings and labels in rank order, each rank's rows in shard order (complete on rank 0
+    after the gather)."""
 
     embeddings: torch.Tensor
     labels: torch.Tensor
@@ -119,6 +121,8 @@ def embed_split(
 
     ``preprocessing`` is the run's resolved test-time preprocessing (default: resolved from the config);
     ``cache`` keeps the decoded images for the next evaluation (the same preprocessing every time).
+    Each rank's rows come back in shard order, not in the order loader workers delivered them, so the
+    retrieval grid shows the same queries, and ties rank alike, whatever ``data.loader_workers`` is.
     """
     if preprocessing is None:
         preprocessing = resolve_preprocessing(config)
@@ -126,7 +130,7 @@ def embed_split(
     batches: Iterator[Batch]
     cached = cache.batches(split) if cache is not None else None
     if cached is not None:
-        batches, total = iter(cached), sum(len(batch_labels) for _, batch_labels in cached)
+        batches, total = iter(cached), sum(len(batch_labels) for _, batch_labels, _ in cached)
     else:
         loader = EvalLoader(
             config.data.root,
@@ -138,18 +142,23 @@ def embed_split(
             transform=preprocessing.test_transform(),
             info=info,
             max_images=None if config.eval.max_images is None else config.eval.max_images // world,
+            with_shards=True,
         )
-        batches = ((images, labels) for images, labels, _categories, _keys in loader)
+        batches = (
+            (images, labels, torch.as_tensor(shards, dtype=torch.int32))
+            for images, labels, _categories, _keys, shards in loader
+        )
         total = loader.num_samples
         if cache is not None:
             batches = cache.collect(split, batches)
     was_training = net.training
     net.eval()
-    chunks, labels, thumbs = [], [], []
+    chunks, labels, shards, thumbs = [], [], [], []
     progress = progress_bar(total, f"embed {split}", enabled=rank == 0)
-    for images, batch_labels in batches:
+    for images, batch_labels, batch_shards in batches:
         chunks.append(embed_batch(net, images, device, autocast_dtype, normalize))
         labels.append(batch_labels)
+        shards.append(batch_shards)
         if keep_thumbnails:
             thumbs.append(_thumbnail(images))
         progress.update(len(images))
@@ -158,11 +167,14 @@ def embed_split(
     dim = config.model.embedding_dim
     local = torch.cat(chunks) if chunks else torch.empty(0, dim, device=device)
     local_labels = torch.cat(labels) if labels else torch.empty(0, dtype=torch.int64)
+    # a shard is read by one loader worker, front to back: a stable sort by shard is the shard order
+    order = torch.argsort(torch.cat(shards), stable=True) if shards else torch.empty(0, dtype=torch.int64)
+    local, local_labels = local[order.to(local.device)], local_labels[order]
     sizes = all_gather_sizes(len(local), device)
     offset = sum(sizes[:rank])
     thumbnails: dict[int, np.ndarray] = {}
     if keep_thumbnails and thumbs:
-        stacked = torch.cat(thumbs).permute(0, 2, 3, 1).numpy()
+        stacked = torch.cat(thumbs)[order].permute(0, 2, 3, 1).numpy()
         thumbnails = {offset + i: stacked[i] for i in range(len(stacked))}
     return EmbeddedSplit(
         all_gather_uneven(local, sizes).cpu(),
