@@ -362,3 +362,36 @@ def test_prepare_re_encodes_what_decode_gives() -> None:
     grey, _ = checked_image(sources[3], resize=10)
     with Image.open(io.BytesIO(grey)) as image:
         assert image.mode == "L" and image.size == (15, 10) and set(np.array(image).ravel()) == {128}
+
+
+def _tiff(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="TIFF")
+    return out.getvalue()
+
+
+def test_float_grey_is_read_as_0_to_1_or_0_to_255_and_any_other_range_refused() -> None:
+    """convert("RGB") clipped 32-bit float TIFFs (PIL mode F) to 0..255: the usual 0..1 floats came out black,
+    and `dmltrain prepare` wrote them into shards that way."""
+    unit = np.array([[0.0, 0.25, 0.5], [0.75, 1.0, 0.002]], dtype=np.float32)
+    data = _tiff(Image.fromarray(unit, "F"))
+    with Image.open(io.BytesIO(data)) as image:
+        assert image.mode == "F"
+    assert int(_convert_rgb(data).max()) <= 1  # what PIL alone gives: black
+    expected = torch.tensor([[0, 64, 128], [191, 255, 1]], dtype=torch.uint8)  # 255 x value, rounded
+    assert torch.equal(decode(data), expected.expand(3, -1, -1))
+    assert torch.equal(decode(data, keep_grey=True), expected.unsqueeze(0))
+    eight_bit = _tiff(Image.fromarray(unit * 200 + 3, "F"))  # already 0..255: kept, rounded
+    assert torch.equal(decode(eight_bit)[0], torch.tensor([[3, 53, 103], [153, 203, 3]], dtype=torch.uint8))
+    # prepare re-encodes a TIFF as PNG from the same 8 bits
+    png, ext = checked_image(data)
+    assert ext == "png" and torch.equal(decode(png, keep_grey=True), expected.unsqueeze(0))
+    for bad, why in (
+        (unit - 0.5, r"\[-0.5, 0.5\]"),
+        (unit * 1000, r"\[0, 1000\]"),
+        (np.where(unit > 0.5, np.nan, unit), "NaN"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            decode(_tiff(Image.fromarray(bad.astype(np.float32), "F")))
+        with pytest.raises(ValueError, match=f"ValueError: .*{why}"):
+            checked_image(_tiff(Image.fromarray(bad.astype(np.float32), "F")))

@@ -77,7 +77,8 @@ def flatten(image: Image.Image, keep_grey: bool = False) -> Image.Image:
     Why not just ``convert("RGB")``: it drops alpha, keeping whatever colour lies under alpha 0 (a black
     cut-out on a transparent background becomes all black), so images with alpha (RGBA/LA/PA, or a
     ``transparency`` colour in a P/L/RGB PNG) are composited onto white, as product photos and cut-outs
-    are shown; it clips 16-bit grey to white, so those are scaled to 8 bits (65535 -> 255); and it
+    are shown; it clips 16-bit grey to white, so those are scaled to 8 bits (65535 -> 255); it clips
+    32-bit float grey (TIFF) too, which turned the usual 0..1 floats black: see `_float_as_8_bits`; and it
     ignores the EXIF orientation a camera writes instead of rotating the pixels, which is applied here.
     8-bit RGB and L sources without alpha or an EXIF turn come back as they are (no copy); CMYK, palette
     and bilevel images convert as before.
@@ -89,6 +90,8 @@ def flatten(image: Image.Image, keep_grey: bool = False) -> Image.Image:
     if image.mode in _GREY16_MODES:
         values = np.clip(np.asarray(image), 0, 65535).astype(np.uint32)
         image = Image.fromarray(((values + 128) // 257).astype(np.uint8))  # rounded value / 257
+    elif image.mode == "F":
+        image = _float_as_8_bits(image)
     mode = image.mode
     if mode in _ALPHA_MODES or "transparency" in image.info:
         grey = keep_grey and mode in ("L", "LA")
@@ -99,6 +102,23 @@ def flatten(image: Image.Image, keep_grey: bool = False) -> Image.Image:
     if mode == "RGB" or (keep_grey and mode == "L"):
         return image
     return image.convert("RGB")
+
+
+def _float_as_8_bits(image: Image.Image) -> Image.Image:
+    """Float grey pixels (PIL mode "F") as 8 bits: 0..1 is the float-image convention (scaled by 255), 0..255
+    PIL's own (kept); any other range has no one reading, so it is refused (ValueError) rather than guessed
+    (a stretch per image would make a dark photo and a bright one alike)."""
+    values = np.asarray(image, dtype=np.float32)
+    if not np.isfinite(values).all():
+        raise ValueError("float pixels include NaN or infinity")
+    low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+    if low < 0 or high > 255:
+        raise ValueError(
+            f"float pixels range over [{low:g}, {high:g}], neither 0..1 nor 0..255: convert the image to "
+            "8 or 16 bits"
+        )
+    scale = 255.0 if high <= 1 else 1.0
+    return Image.fromarray(np.round(values * scale).astype(np.uint8))
 
 
 def decode(data: bytes, keep_grey: bool = False) -> torch.Tensor:
