@@ -122,7 +122,7 @@ def embed_split(
     ``preprocessing`` is the run's resolved test-time preprocessing (default: resolved from the config);
     ``cache`` keeps the decoded images for the next evaluation (the same preprocessing every time).
     Each rank's rows come back in shard order, not in the order loader workers delivered them, so the
-    retrieval grid shows the same queries, and ties rank alike, whatever ``data.loader_workers`` is.
+    retrieval grid (which picks queries by position) shows the same ones whatever ``data.loader_workers``.
     """
     if preprocessing is None:
         preprocessing = resolve_preprocessing(config)
