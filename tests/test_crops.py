@@ -85,3 +85,28 @@ def test_an_error_the_inputs_cause_is_raised_and_keeps_the_compiled_loop(
     with pytest.raises(ValueError, match="non-empty list of Tensors"):
         crops([], [], 24, 0, "bilinear", False, True)
     assert crops_module._SCRIPT_FAILED == []
+
+
+def test_a_full_gpu_inside_the_compiled_loop_is_an_out_of_memory_error_and_keeps_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The TorchScript interpreter re-raises torch's out-of-memory error as a plain RuntimeError; taken for a
+    TorchScript gap, it cropped the batch again in Python and switched the compiled loop off for good."""
+    calls = []
+
+    def out_of_memory(*args: object) -> torch.Tensor:
+        calls.append(1)
+        raise RuntimeError(
+            "The following operation failed in the TorchScript interpreter.\nTraceback of TorchScript "
+            "(most recent call last):\nRuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB."
+        )
+
+    monkeypatch.setattr(crops_module, "scripted_crops", lambda: out_of_memory)
+    monkeypatch.setattr(crops_module, "crops_resampled", lambda *args: pytest.fail("cropped in Python"))
+    monkeypatch.setattr(crops_module, "_SCRIPT_FAILED", [])
+    images, boxes = _images_and_boxes(3)
+    with pytest.raises(
+        torch.cuda.OutOfMemoryError, match=r"^CUDA out of memory\. Tried to allocate 2\.00 GiB"
+    ):
+        crops(images, boxes, 24, 0, "bilinear", False, True)
+    assert calls == [1] and crops_module._SCRIPT_FAILED == []

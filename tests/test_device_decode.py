@@ -352,14 +352,20 @@ def test_an_image_the_device_decoder_refuses_is_decoded_by_pil(
     )
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize(("workers", "raised_by"), [(0, "torch"), (1, "torch"), (0, "torchvision")])
 def test_a_gpu_out_of_memory_while_decoding_is_one_line_not_a_pil_fallback(
-    jpegs: Path, workers: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    jpegs: Path,
+    workers: int,
+    raised_by: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A full GPU is not the images' fault: before, the decoder took the CUDA error for a refused batch and
     decoded every image with PIL, a warning each, until the step itself ran out. Now it leaves the loader
     as a `DecodeMemoryError` (still a CUDA out-of-memory error), which the worker loop turns into one line
-    naming what to change. The GPU's failure is stood in for: this machine has no CUDA."""
+    naming what to change. The GPU's failure is stood in for: this machine has no CUDA. torchvision's
+    batched GPU decoder re-raises torch's error as a plain RuntimeError with a prefix (its C++ catches every
+    error), which slipped past a check for the error type."""
     from dmltrain.data import device_decode
     from dmltrain.data.errors import DecodeMemoryError
     from dmltrain.service.train import device_memory_error
@@ -368,6 +374,8 @@ def test_a_gpu_out_of_memory_while_decoding_is_one_line_not_a_pil_fallback(
     account += "which 20.00 MiB is free. Including non-PyTorch memory, this process has 79.1 GiB in use."
 
     def full_gpu(*args: Any, **kwargs: Any) -> Any:
+        if raised_by == "torchvision":
+            raise RuntimeError(f"Error while decoding JPEG images: {account}")
         raise torch.cuda.OutOfMemoryError(account)
 
     monkeypatch.setattr(device_decode, "decode_jpeg", full_gpu)

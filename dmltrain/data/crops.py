@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as nn_functional
 
-from dmltrain.data.errors import first_line
+from dmltrain.data.errors import first_line, raise_if_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +107,8 @@ def crops(
     if off_the_gil and not _SCRIPT_FAILED:
         try:
             return scripted_crops()(*args)
-        except torch.cuda.OutOfMemoryError:
-            raise
         except RuntimeError as exc:
+            raise_if_out_of_memory(exc)  # a full GPU, not a TorchScript gap: no Python retry, no switch
             out = crops_resampled(*args)
             _SCRIPT_FAILED.append(first_line(exc))
             log.warning(

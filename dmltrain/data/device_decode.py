@@ -34,7 +34,13 @@ from PIL import Image
 from torch.utils.data import get_worker_info
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from dmltrain.data.errors import SampleError, first_line, sample_name, unusable_sample
+from dmltrain.data.errors import (
+    SampleError,
+    first_line,
+    raise_if_out_of_memory,
+    sample_name,
+    unusable_sample,
+)
 from dmltrain.data.shards import Sample
 from dmltrain.data.transforms import CropFlip, TrainAugment, decode, exif_orientation
 
@@ -253,9 +259,8 @@ class DeviceDecoder:
         header's, the images are decoded one by one, falling back to PIL."""
         try:
             images = decode_jpeg(views, mode=ImageReadMode.RGB, device=self.device)
-        except torch.cuda.OutOfMemoryError:
-            raise  # not the images' fault: PIL one by one would hide it behind a warning per image
-        except RuntimeError:
+        except RuntimeError as exc:
+            raise_if_out_of_memory(exc)  # not the images' fault: PIL would hide it behind a warning per image
             images = [None] * len(views)
         out = []
         for view, i, image in zip(views, index, images, strict=True):
@@ -271,9 +276,8 @@ class DeviceDecoder:
             if tuple(image.shape) == shape:
                 return image
             why = f"decoded shape {tuple(image.shape)}, header says {shape}"
-        except torch.cuda.OutOfMemoryError:
-            raise
         except RuntimeError as exc:
+            raise_if_out_of_memory(exc)
             why = first_line(exc)
         data = view.numpy().tobytes()
         try:

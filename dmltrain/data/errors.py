@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 
 _IN_MEMORY_FILE = re.compile(r" <_io\.\w+ object at 0x[0-9a-fA-F]+>")  # PIL names the BytesIO it read
+_OUT_OF_MEMORY = re.compile(r"\b\w+ out of memory\.")  # torch's allocator: "CUDA out of memory. Tried to..."
 
 
 class SampleError(ValueError):
@@ -34,6 +35,19 @@ class DecodeMemoryError(torch.cuda.OutOfMemoryError):
     GPU with the training step, so the step's memory, not the decode's (`decode_batch` images at a time),
     is what to lower, or the decoding moves to the loader workers. A CUDA out-of-memory error, so code
     that handles those still does."""
+
+
+def raise_if_out_of_memory(exc: RuntimeError) -> None:
+    """Re-raise ``exc`` if the device ran out of memory, as torch's `OutOfMemoryError` even where a C++
+    layer turned it into a plain RuntimeError: torchvision's batched GPU JPEG decoder re-raises every error
+    as "Error while decoding JPEG images: <torch's message>", and the TorchScript interpreter wraps what fails
+    inside it. A fallback that catches RuntimeError (PIL for a refused image, Python for the compiled crop
+    loop) must not take a full GPU for the input's fault."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        raise exc
+    found = _OUT_OF_MEMORY.search(str(exc))
+    if found:
+        raise torch.OutOfMemoryError(str(exc)[found.start() :]) from exc
 
 
 def sample_name(key: str, url: str) -> str:
