@@ -15,6 +15,10 @@ Similarity is the inner product (= cosine for unit vectors) everywhere. The kind
 A GPU is used where faiss sees one (faiss-gpu installed): flat search runs there, and IVF-PQ is trained and
 filled there; what is stored is always the CPU form, so an index built on a GPU loads anywhere. The id map
 (row -> shard, key, class) travels beside the index; nothing here imports torch, Ray or MLflow.
+
+A stored index is memory-mapped where the faiss build can (``IO_FLAG_MMAP_IFC``, in faiss 1.15): its
+vectors and codes stay in the page cache, shared by every process that serves it, instead of one private
+copy per server worker; `save_index` therefore replaces files by renaming, never rewriting one a server maps.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -350,8 +354,13 @@ def save_index(
         raise ValueError(f"the id map has {len(ids)} rows but the index holds {index.ntotal}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    faiss.write_index(index.index, str(out / INDEX_FILE))
-    np.savez(out / IDS_FILE, shard=ids.shard, key=ids.key, label=ids.label)
+
+    def write_ids(path: str) -> None:
+        with open(path, "wb") as handle:  # a handle: given a name, np.savez would append ".npz"
+            np.savez(handle, shard=ids.shard, key=ids.key, label=ids.label)
+
+    _replace_file(out / INDEX_FILE, lambda path: faiss.write_index(index.index, path))
+    _replace_file(out / IDS_FILE, write_ids)
     record = {
         "format_version": FORMAT_VERSION,
         "spec": asdict(index.spec),
@@ -362,12 +371,35 @@ def save_index(
         "faiss_version": getattr(faiss, "__version__", "unknown"),
         **dict(meta),
     }
-    (out / META_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
+    _replace_file(
+        out / META_FILE, lambda path: Path(path).write_text(json.dumps(record, indent=2, sort_keys=True))
+    )
     return out
 
 
+def _replace_file(path: Path, write: Callable[[str], None]) -> None:
+    """Write beside ``path``, then rename over it. Rewriting a file in place would crash (SIGBUS) a process
+    that maps it (`load_index`, e.g. a running search service) once the file is shorter; after a rename it
+    keeps the old file, and a reader never sees half a file."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        write(str(partial))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _read_flags(faiss: Any) -> int:
+    """Map the stored vectors and codes rather than copy them; 0 (read into memory) where faiss cannot."""
+    return int(getattr(faiss, "IO_FLAG_MMAP_IFC", 0))
+
+
 def load_index(directory: str | os.PathLike[str]) -> StoredIndex:
-    """Read an index directory written by :func:`save_index`; errors name the missing or mismatched file."""
+    """Read an index directory written by :func:`save_index`; errors name the missing or mismatched file.
+
+    The vectors and codes are mapped from ``index.faiss`` where faiss can (module docstring): N server
+    processes then hold one copy, in the page cache. Replace the directory's files by renaming (as
+    `save_index` does), not by rewriting them, while something has it loaded."""
     faiss = _faiss()
     root = Path(directory)
     for name in (INDEX_FILE, IDS_FILE, META_FILE):
@@ -380,7 +412,7 @@ def load_index(directory: str | os.PathLike[str]) -> StoredIndex:
         )
     spec = IndexSpec(**meta["spec"])
     try:
-        raw = faiss.read_index(str(root / INDEX_FILE))
+        raw = faiss.read_index(str(root / INDEX_FILE), _read_flags(faiss))
     except RuntimeError as exc:  # faiss's message is a multi-line C++ trace; its last line says what failed
         lines = [line for line in str(exc).splitlines() if line.strip()]
         raise ValueError(

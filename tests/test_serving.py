@@ -684,3 +684,40 @@ def test_serve_refuses_an_address_it_cannot_listen_on(
     assert capsys.readouterr().err.strip() == (
         f"dmltrain serve: error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)"
     )
+
+
+def test_a_loaded_index_is_mapped_and_outlives_a_rebuild_into_its_directory(tmp_path: Path) -> None:
+    """Server processes share a mapped index instead of each holding a copy; rewriting the mapped file in
+    place would kill them (SIGBUS), so a rebuild renames new files in. In a child process: a regression
+    would crash it, not pytest."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import faiss
+        import numpy as np
+        from dmltrain.index import IdMap, build_index, load_index, save_index
+
+        directory = sys.argv[1]
+        x = np.random.default_rng(0).standard_normal((3000, 64)).astype("float32")
+        x /= np.linalg.norm(x, axis=1, keepdims=True)
+
+        def ids(n):
+            return IdMap(np.zeros(n, np.int64), [f"k{i}" for i in range(n)], np.arange(n) % 30)
+
+        save_index(directory, build_index(x, "flat"), ids(3000), {})
+        loaded = load_index(directory)
+        mapped = f"{directory}/index.faiss" in open("/proc/self/maps").read()
+        assert mapped == hasattr(faiss, "IO_FLAG_MMAP_IFC"), mapped
+        before = loaded.search(x[:20], 5)[1]
+        save_index(directory, build_index(x[:100], "flat"), ids(100), {})  # a much shorter file
+        assert (loaded.search(x[:20], 5)[1] == before).all()
+        assert load_index(directory).index.ntotal == 100
+        print("mapped" if mapped else "read")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "index")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() in ("mapped", "read")
+    assert sorted(p.name for p in (tmp_path / "index").iterdir()) == ["ids.npz", "index.faiss", "index.json"]
