@@ -49,12 +49,15 @@ def get_world_size() -> int:
 def communication_device(device: torch.device) -> torch.device:
     """Where a tensor living on `device` must be for the current backend's collectives.
 
-    NCCL only moves CUDA tensors; gloo is only dependable for CPU tensors, so anything that is not a CUDA
-    tensor under an NCCL group travels through host memory.
+    NCCL only moves CUDA tensors; gloo is only dependable for CPU tensors. Under NCCL a CUDA tensor stays
+    where it is and anything else travels through host memory if the group has a CPU backend too
+    ("cpu:gloo,cuda:nccl"), else (a pure NCCL group, as Ray Train's ``TorchConfig(backend="nccl")`` makes)
+    through this process's current GPU.
     """
-    if device.type == "cuda" and is_distributed() and "nccl" in str(dist.get_backend()).lower():
-        return device
-    return torch.device("cpu")
+    backend = str(dist.get_backend()).lower() if is_distributed() else ""
+    if "nccl" not in backend or (device.type != "cuda" and "gloo" in backend):
+        return torch.device("cpu")
+    return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
 
 
 def all_gather_sizes(size: int, device: torch.device | None = None) -> list[int]:

@@ -385,7 +385,8 @@ def retrieval_metrics(
     ``r_precision``, ``num_queries`` (queries averaged over) and ``num_queries_without_positive``
     (excluded from the means). Ties are ranked pessimistically (see the module docstring). Inputs are
     torch tensors or numpy arrays; computation is float32 on ``device`` (default: CUDA when available),
-    ``chunk_size`` queries at a time (default: blocks of ~256 MiB), and the result does not depend on it.
+    ``chunk_size`` queries at a time (default: blocks of ~256 MiB), and the result does not depend on it
+    beyond float rounding (a block's shape can change a similarity's last bit, and so whether two items tie).
     """
     return _retrieval_metrics(
         query_embeddings, query_labels, gallery_embeddings, gallery_labels, ks, chunk_size, device, "auto"

@@ -13,7 +13,9 @@ Similarity is the inner product (= cosine for unit vectors) everywhere. The kind
   recall without training, CPU only in faiss.
 
 A GPU is used where faiss sees one (faiss-gpu installed): flat search runs there, and IVF-PQ is trained and
-filled there; what is stored is always the CPU form, so an index built on a GPU loads anywhere. The id map
+filled there; what is stored is always the CPU form, so an index built on a GPU loads anywhere. One GPU per
+process: torch's current device where torch has set one up (a Ray Train worker sees its node's other GPUs
+too, which belong to other ranks), else the first. The id map
 (row -> shard, key, class) travels beside the index; nothing here imports torch, Ray or MLflow.
 
 A stored index is memory-mapped where the faiss build can (``IO_FLAG_MMAP_IFC``, in faiss 1.15): its
@@ -23,9 +25,13 @@ copy per server worker; `save_index` therefore replaces files by renaming, never
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -57,6 +63,10 @@ INDEX_FILE = "index.faiss"
 IDS_FILE = "ids.npz"
 META_FILE = "index.json"
 FORMAT_VERSION = 1
+# faiss-gpu answers at most this many neighbours per query (GPU_MAX_SELECTION_K); more are found on the CPU
+GPU_MAX_K = 2048
+# Bytes per 8-bit PQ code that faiss-gpu's IVF-PQ kernels support (GpuIndexIVFPQ)
+_GPU_PQ_BYTES = (1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 96)
 
 
 def _faiss() -> Any:
@@ -102,11 +112,17 @@ class IndexSpec:
 
 
 def _pq_subquantizers(dim: int, nbits: int) -> int:
-    """Largest divisor of ``dim`` up to 64 with 2 dimensions per 4-bit code or 4 per 8-bit code (even for
-    fast-scan; 64 bytes at most keeps 8-bit codes within faiss-gpu's limits)."""
+    """Largest divisor of ``dim`` up to 64 with 2 dimensions per 4-bit code or 4 per 8-bit code: even for
+    fast-scan; for 8-bit codes (the GPU's form) one of the code sizes faiss-gpu's IVF-PQ supports, whose
+    lookup tables it keeps in float16 (`_to_gpu`: float32 tables of 56 or 64 sub-quantizers would not fit
+    a GPU block's shared memory)."""
     per_code = 2 if nbits == 4 else 4
     limit = max(1, min(64, dim // per_code))
-    fits = [m for m in range(1, limit + 1) if dim % m == 0 and (nbits != 4 or m % 2 == 0)]
+    fits = [
+        m
+        for m in range(1, limit + 1)
+        if dim % m == 0 and (m % 2 == 0 if nbits == 4 else nbits != 8 or m in _GPU_PQ_BYTES)
+    ]
     if not fits:
         raise ValueError(f"no product quantiser fits dimension {dim} with {nbits}-bit codes")
     return max(fits)
@@ -157,7 +173,7 @@ def choose_spec(
 
 # ------------------------------------------------------------------------------------------------ build
 def _as_float32(x: Any, name: str) -> np.ndarray:
-    a = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+    a = x.detach().float().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)  # bf16 has no numpy
     if a.ndim != 2 or a.shape[0] == 0 or a.shape[1] == 0:
         raise ValueError(f"{name} must be a non-empty 2-D array (n, dim), got shape {a.shape}")
     a = np.ascontiguousarray(a, dtype=np.float32)
@@ -174,16 +190,19 @@ class EmbeddingIndex:
     spec: IndexSpec
     dim: int
     build_seconds: float = 0.0
-    _device_index: Any = field(default=None, repr=False)
+    _device_index: Any = field(default=None, repr=False, compare=False)
+    # A GPU index is not safe to search from two threads at once (a scoring server's request threads do)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def ntotal(self) -> int:
         return int(self.index.ntotal)
 
-    def _searcher(self) -> Any:
-        if self._device_index is None:
-            self._device_index = _maybe_to_gpu(self.index, self.spec)
-        return self._device_index
+    def _searcher(self, k: int) -> Any:
+        with self._lock:
+            if self._device_index is None:
+                self._device_index = _maybe_to_gpu(self.index, self.spec)
+        return self.index if k > GPU_MAX_K else self._device_index
 
     def search(self, queries: Any, k: int, *, chunk_size: int = 4096) -> tuple[np.ndarray, np.ndarray]:
         """``(similarities, ids)``, each (num_queries, k), best first; id -1 where fewer than k exist."""
@@ -192,20 +211,47 @@ class EmbeddingIndex:
             raise ValueError(f"queries have dimension {q.shape[1]} but the index holds {self.dim}")
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        searcher = self._searcher()
+        searcher = self._searcher(k)
+        on_gpu = searcher is not self.index
         sims = np.empty((len(q), k), dtype=np.float32)
         ids = np.empty((len(q), k), dtype=np.int64)
         for lo in range(0, len(q), chunk_size):
-            s, i = searcher.search(q[lo : lo + chunk_size], k)
+            with self._lock if on_gpu else contextlib.nullcontext():
+                s, i = searcher.search(q[lo : lo + chunk_size], k)
             sims[lo : lo + chunk_size], ids[lo : lo + chunk_size] = s, i
         return sims, ids
 
 
 def _maybe_to_gpu(index: Any, spec: IndexSpec) -> Any:
-    """Flat and un-refined IVF-PQ indexes search on every GPU faiss sees; others stay on the CPU."""
+    """Flat and un-refined 8-bit IVF-PQ indexes search on this process's GPU; others stay on the CPU."""
     if gpu_count() == 0 or spec.kind == "hnsw" or (spec.kind == "ivfpq" and (spec.refine or spec.nbits != 8)):
         return index
-    return _faiss().index_cpu_to_all_gpus(index)
+    return _to_gpu(index, ivfpq=spec.kind == "ivfpq")
+
+
+def _gpu_device() -> int:
+    """This process's GPU: torch's current device where torch has CUDA set up (without importing torch:
+    this module stays torch-free), else 0. faiss and torch number the visible devices alike."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.current_device())
+    return 0
+
+
+@functools.cache
+def _gpu_resources(device: int) -> Any:
+    """One set of faiss GPU resources (streams, scratch memory) per device and process, made once."""
+    return _faiss().StandardGpuResources()
+
+
+def _to_gpu(index: Any, *, ivfpq: bool) -> Any:
+    """A copy of a CPU ``index`` on this process's GPU (`_gpu_device`). IVF-PQ gets float16 lookup tables,
+    which its 56- and 64-byte codes need; a flat index keeps float32 vectors (exact search)."""
+    faiss = _faiss()
+    options = faiss.GpuClonerOptions()
+    options.useFloat16 = ivfpq
+    device = _gpu_device()
+    return faiss.index_cpu_to_gpu(_gpu_resources(device), device, index, options)
 
 
 def build_index(
@@ -246,7 +292,7 @@ def build_index(
         if (
             gpu_count() > 0 and spec.nbits == 8
         ):  # k-means and encoding are the costly part: do them on the GPU when possible
-            trained = faiss.index_cpu_to_all_gpus(base)
+            trained = _to_gpu(base, ivfpq=True)
         trained.train(sample)
         for lo in range(0, n, add_chunk):
             trained.add(x[lo : lo + add_chunk])
