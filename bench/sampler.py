@@ -39,10 +39,10 @@ import torch
 from PIL import Image
 
 from dmltrain.data import SamplerSpec, TrainLoader, decode, load_dataset_info, train_transform
+from dmltrain.data.conversion import prepare_dataset
 from dmltrain.data.datasets.base import SourceDataset, SourceItem
 from dmltrain.data.loader import TrainStream, collate
 from dmltrain.data.plan import check_batch
-from dmltrain.data.prepare import prepare_dataset
 from dmltrain.data.sampling import largest_piece
 from dmltrain.data.stream import GroupStream
 

@@ -18,11 +18,11 @@ import torch
 from PIL import Image
 
 from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
+from dmltrain.data.conversion import prepare_dataset
 from dmltrain.data.datasets.base import SourceDataset, SourceItem
 from dmltrain.data.fill import Fill, repair, subset_sum, take_greedy
 from dmltrain.data.metadata import Evaluation
 from dmltrain.data.plan import BatchError, TrainPlan, apportion, check_batch, phase
-from dmltrain.data.prepare import prepare_dataset
 from dmltrain.data.sampling import largest_piece, split_group
 from dmltrain.data.shards import Sample
 

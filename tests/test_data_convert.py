@@ -14,9 +14,9 @@ import pytest
 from PIL import Image
 
 from dmltrain.data import ensure_glyphs, load_dataset_info, prepare
+from dmltrain.data.conversion import prepare_dataset
 from dmltrain.data.datasets.base import SourceDataset, SourceLayoutError
 from dmltrain.data.datasets.glyphs import base_character, faithful_codepoints, font_files, scan_glyphs
-from dmltrain.data.prepare import prepare_dataset
 from dmltrain.data.shards import read_shard
 from dmltrain.service.cli import main as cli_main
 

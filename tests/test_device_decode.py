@@ -25,6 +25,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info, train_transform
+from dmltrain.data.conversion import prepare_dataset
 from dmltrain.data.datasets.base import SourceDataset, SourceItem
 from dmltrain.data.device_decode import (
     DeviceDecoder,
@@ -34,7 +35,6 @@ from dmltrain.data.device_decode import (
     resolve_decode,
 )
 from dmltrain.data.metadata import Evaluation
-from dmltrain.data.prepare import prepare_dataset
 from dmltrain.data.shards import ShardEntry, read_shard, write_shard
 from dmltrain.service.config import ConfigError, load_config
 from dmltrain.service.prefetch import _pinned
@@ -367,7 +367,7 @@ def test_a_gpu_out_of_memory_while_decoding_is_one_line_not_a_pil_fallback(
     batched GPU decoder re-raises torch's error as a plain RuntimeError with a prefix (its C++ catches every
     error), which slipped past a check for the error type."""
     from dmltrain.data import device_decode
-    from dmltrain.data.errors import DecodeMemoryError
+    from dmltrain.data.device_memory import DecodeMemoryError
     from dmltrain.service.train import device_memory_error
 
     account = "CUDA out of memory. Tried to allocate 96.00 MiB. GPU 0 has a total capacity of 79.19 GiB of "

@@ -223,6 +223,10 @@ def test_fp16_loop_scales_gradients_and_checkpoints_the_scaler(glyphs_root: Path
     assert scales and scales[-1] == loop.scaler.get_scale()
     tags = client.get_run(run_id).data.tags
     assert tags["dmltrain.precision"] == "fp16" and tags["dmltrain.device"].startswith("cpu")
+    assert (
+        tags["dmltrain.versions"].startswith("dmltrain 0.")
+        and f"torch {torch.__version__}" in tags["dmltrain.versions"]
+    )
     resumed = WorkerLoop(
         config, run_id, uri, LocalContext(tmp_path, restore_from=tmp_path / checkpoint_dir_name(1))
     )

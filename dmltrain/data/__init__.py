@@ -11,15 +11,43 @@ Public entry points (import from here):
 - `EvalLoader(root, split, batch_size, rank=..., world_size=...)` a rank's part of a split;
 - `train_transform(...)` (a `TrainAugment`: draws apart from pixel work), `test_transform(...)`,
   `SamplerSpec(...)`, `prepare(...)`.
+
+The names load on first use (PEP 562): importing a light part of the package (``dmltrain.data.datasets``
+for the list of formats, ``dmltrain.data.metadata``) does not import torch and torchvision, so a command
+line can answer ``--help`` or refuse a mistake before they load (4 s on a 2-core machine).
 """
 
-from dmltrain.data.embedded import ensure_glyphs
-from dmltrain.data.loader import EvalLoader, TrainLoader
-from dmltrain.data.metadata import DatasetInfo, Evaluation, damaged_shards, load_dataset_info
-from dmltrain.data.plan import BatchError, check_batch
-from dmltrain.data.prepare import prepare
-from dmltrain.data.sampling import SamplerSpec
-from dmltrain.data.transforms import TrainAugment, decode, test_transform, train_transform
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dmltrain.data.conversion import prepare
+    from dmltrain.data.embedded import ensure_glyphs
+    from dmltrain.data.loader import EvalLoader, TrainLoader
+    from dmltrain.data.metadata import DatasetInfo, Evaluation, damaged_shards, load_dataset_info
+    from dmltrain.data.plan import BatchError, check_batch
+    from dmltrain.data.sampling import SamplerSpec
+    from dmltrain.data.transforms import TrainAugment, decode, test_transform, train_transform
+
+_HOMES = {
+    "ensure_glyphs": "embedded",
+    "EvalLoader": "loader",
+    "TrainLoader": "loader",
+    "DatasetInfo": "metadata",
+    "Evaluation": "metadata",
+    "damaged_shards": "metadata",
+    "load_dataset_info": "metadata",
+    "BatchError": "plan",
+    "check_batch": "plan",
+    "prepare": "conversion",
+    "SamplerSpec": "sampling",
+    "TrainAugment": "transforms",
+    "decode": "transforms",
+    "test_transform": "transforms",
+    "train_transform": "transforms",
+}
 
 __all__ = [
     "BatchError",
@@ -38,3 +66,16 @@ __all__ = [
     "test_transform",
     "train_transform",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as nn_functional
 
-from dmltrain.data.errors import first_line, raise_if_out_of_memory
+from dmltrain.data.device_memory import raise_if_out_of_memory
+from dmltrain.data.errors import first_line
 
 log = logging.getLogger(__name__)
 

@@ -34,13 +34,8 @@ from PIL import Image
 from torch.utils.data import get_worker_info
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from dmltrain.data.errors import (
-    SampleError,
-    first_line,
-    raise_if_out_of_memory,
-    sample_name,
-    unusable_sample,
-)
+from dmltrain.data.device_memory import raise_if_out_of_memory
+from dmltrain.data.errors import SampleError, first_line, sample_name, unusable_sample
 from dmltrain.data.shards import Sample
 from dmltrain.data.transforms import CropFlip, TrainAugment, decode, exif_orientation
 

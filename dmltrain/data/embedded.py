@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dmltrain.data.conversion import prepare_dataset
 from dmltrain.data.datasets.glyphs import (
     DEFAULT_IMAGE_SIZE,
     DEFAULT_MIN_FACES,
@@ -16,7 +17,6 @@ from dmltrain.data.datasets.glyphs import (
     scan_glyphs,
 )
 from dmltrain.data.pools import available_cpus
-from dmltrain.data.prepare import prepare_dataset
 
 __all__ = ["DEFAULT_IMAGE_SIZE", "DEFAULT_MIN_FACES", "ensure_glyphs"]
 

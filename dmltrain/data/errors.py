@@ -6,14 +6,11 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
     from dmltrain.data.shards import Sample
 
 
 _IN_MEMORY_FILE = re.compile(r" <_io\.\w+ object at 0x[0-9a-fA-F]+>")  # PIL names the BytesIO it read
-_OUT_OF_MEMORY = re.compile(r"\b\w+ out of memory\.")  # torch's allocator: "CUDA out of memory. Tried to..."
 
 
 class SampleError(ValueError):
@@ -28,26 +25,6 @@ class SamplingError(RuntimeError):
 class SharedMemoryError(RuntimeError):
     """The loader workers cannot get the shared memory (/dev/shm) their batches cross in: the same on every
     attempt until the node's /dev/shm grows or the batch a rank shrinks (`dmltrain.data.shared_memory`)."""
-
-
-class DecodeMemoryError(torch.cuda.OutOfMemoryError):
-    """The GPU ran out of memory while decoding a batch's JPEGs (data.decode=gpu): the decoder shares the
-    GPU with the training step, so the step's memory, not the decode's (`decode_batch` images at a time),
-    is what to lower, or the decoding moves to the loader workers. A CUDA out-of-memory error, so code
-    that handles those still does."""
-
-
-def raise_if_out_of_memory(exc: RuntimeError) -> None:
-    """Re-raise ``exc`` if the device ran out of memory, as torch's `OutOfMemoryError` even where a C++
-    layer turned it into a plain RuntimeError: torchvision's batched GPU JPEG decoder re-raises every error
-    as "Error while decoding JPEG images: <torch's message>", and the TorchScript interpreter wraps what fails
-    inside it. A fallback that catches RuntimeError (PIL for a refused image, Python for the compiled crop
-    loop) must not take a full GPU for the input's fault."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        raise exc
-    found = _OUT_OF_MEMORY.search(str(exc))
-    if found:
-        raise torch.OutOfMemoryError(str(exc)[found.start() :]) from exc
 
 
 def sample_name(key: str, url: str) -> str:

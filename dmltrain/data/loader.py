@@ -45,7 +45,8 @@ from dmltrain.data.device_decode import (
     joined,
     resolve_decode,
 )
-from dmltrain.data.errors import DecodeMemoryError, SampleError, unusable_sample
+from dmltrain.data.device_memory import DecodeMemoryError
+from dmltrain.data.errors import SampleError, unusable_sample
 from dmltrain.data.metadata import DatasetInfo, load_dataset_info
 from dmltrain.data.plan import TrainPlan
 from dmltrain.data.sampling import Batcher, PoolBatcher, ReservoirBatcher, SamplerSpec, TripletBatcher

@@ -6,8 +6,6 @@ import os
 from typing import IO
 from urllib.parse import urlparse
 
-import webdataset as wds
-
 # Schemes webdataset opens itself (curl, gsutil, shell pipes); everything else goes through fsspec.
 _WDS_SCHEMES = {"pipe", "http", "https", "sftp", "ftps", "scp", "gs", "hf", "ais", "htgs"}
 
@@ -44,7 +42,9 @@ def open_url(url: str) -> IO[bytes]:
             return fsspec.open(url, "rb").open()
         except (ImportError, ValueError):
             pass
-    return wds.gopen(url, "rb")
+    import webdataset  # here, not at the top: it imports torch, which reading dataset.json does not need
+
+    return webdataset.gopen(url, "rb")
 
 
 def read_bytes(url: str) -> bytes:

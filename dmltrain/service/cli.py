@@ -10,6 +10,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from dmltrain.versions import VersionAction
+
 Register = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
 
@@ -81,9 +83,9 @@ def _register_prepare(parser: argparse.ArgumentParser) -> None:
 def _run_prepare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from dmltrain.data.conversion import prepare
     from dmltrain.data.datasets import SourceLayoutError
     from dmltrain.data.datasets.glyphs import DEFAULT_IMAGE_SIZE, DEFAULT_MIN_FACES
-    from dmltrain.data.prepare import prepare
 
     options: dict[str, object] = {"test_fraction": args.test_fraction}
     if args.format == "csv":
@@ -459,6 +461,7 @@ COMMANDS: dict[str, tuple[str, Register, Run]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dmltrain", description="Distributed large-batch metric learning.")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (summary, register, _) in COMMANDS.items():
         register(sub.add_parser(name, help=summary))

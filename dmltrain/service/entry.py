@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from dmltrain.service.config import ConfigError, load_config
 from dmltrain.service.logs import print_problems, setup_logging
+from dmltrain.versions import VersionAction
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m dmltrain.run",
         description="Train an embedding network with a ranking loss on Ray Train, tracked in MLflow.",
     )
+    parser.add_argument("--version", action=VersionAction)
     parser.add_argument("config", help="experiment YAML, e.g. configs/quickstart.yaml")
     parser.add_argument(
         "overrides", nargs="*", default=[], help="dotted overrides such as train.steps=100 optim.lr=1e-4"

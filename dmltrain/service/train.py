@@ -32,7 +32,8 @@ from dmltrain.acceleration import (
     resolve_small_conv_matmul,
 )
 from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
-from dmltrain.data.errors import DecodeMemoryError, SharedMemoryError
+from dmltrain.data.device_memory import DecodeMemoryError
+from dmltrain.data.errors import SharedMemoryError
 from dmltrain.data.loader import WorkerPriority
 from dmltrain.distributed import all_gather_objects, broadcast_object
 from dmltrain.engine import global_batch_step
@@ -69,6 +70,7 @@ from dmltrain.service.preflight import shared_memory_config_problem
 from dmltrain.service.profiling import StepProfiler
 from dmltrain.service.tracking import RunLogger
 from dmltrain.small_convs import gemm_weight_grads_help, use_matmul_for_small_convs
+from dmltrain.versions import version_line
 
 log = logging.getLogger("dmltrain.service.train")
 
@@ -643,6 +645,7 @@ class WorkerLoop:
             "dmltrain.malloc": _malloc_settings(),
             "dmltrain.worker_niceness": str(os.nice(0)),
             "dmltrain.loader_priority": self.stream.worker_priority,
+            "dmltrain.versions": version_line(),  # the worker's stack, which may not be the driver's
         }
         for key, value in tags.items():
             self.logger.set_tag(key, value)
