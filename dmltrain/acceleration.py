@@ -57,8 +57,8 @@ def cuda_has_bf16(device: torch.device) -> bool:
     with torch.cuda.device(device):
         try:
             return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-        except TypeError:  # torch without the argument
-            return bool(torch.cuda.is_bf16_supported())
+        except TypeError:  # a torch without the argument, whose answer may count emulation: ask the hardware
+            return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def resolve_precision(name: PrecisionName, device: torch.device) -> Precision:

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.parallel import DistributedDataParallel
 
+from dmltrain.acceleration import cuda_has_bf16
 from dmltrain.distributed import (
     all_gather_sizes,
     all_gather_uneven,
@@ -84,8 +85,9 @@ class StepResult:
 
 
 def default_autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """bf16 autocast where it pays off (CUDA with bf16 support), None (full precision) elsewhere."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    """bf16 autocast where it pays off (a CUDA GPU with native bf16), None (full precision) elsewhere:
+    not the emulated bf16 that ``torch.cuda.is_bf16_supported()`` also counts on older GPUs."""
+    if device.type == "cuda" and cuda_has_bf16(device):
         return torch.bfloat16
     return None
 

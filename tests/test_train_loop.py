@@ -100,6 +100,39 @@ def _setup(tmp_path: Path, glyphs: Path, *overrides: str) -> tuple[ExperimentCon
     return config, run_id, uri
 
 
+def test_an_fp16_overflow_on_the_first_step_leaves_fused_sgd_sound(
+    glyphs_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loss scale far too large overflows the first step, then backs off to a sane one. Handed the
+    overflow by `GradScaler.step`, fused
+    SGD created its momentum buffers (empty) and then skipped the step, so every later update added
+    uninitialised memory: momentum of 1e38, NaN losses, and on 2 ranks parameters that differed."""
+    real = torch.amp.GradScaler
+    monkeypatch.setattr(
+        torch.amp, "GradScaler", lambda device: real(device, init_scale=2.0**40, backoff_factor=2.0**-30)
+    )
+    config, run_id, uri = _setup(
+        tmp_path,
+        glyphs_root,
+        "train.steps=6",
+        "train.eval_every=100",
+        "train.checkpoint_every=100",
+        "train.precision=fp16",
+        "optim.name=sgd",
+    )
+    loop = WorkerLoop(config, run_id, uri, LocalContext(tmp_path))
+    assert loop.optimizer.param_groups[0]["fused"] and loop.scaler is not None
+    before = [p.detach().clone() for p in loop.params]
+    loop.run()
+    assert loop.counters.overflow_steps == 1 and loop.scaler.get_scale() == 2.0**10
+    momentum = [s["momentum_buffer"] for s in loop.optimizer.state.values() if "momentum_buffer" in s]
+    assert momentum and all(torch.isfinite(m).all() and m.abs().max() < 1e3 for m in momentum)
+    moved = max(float((p - b).abs().max()) for p, b in zip(loop.params, before, strict=True))
+    assert 0 < moved < 1, moved  # it trained, by steps of the learning rate's size
+    losses = [m.value for m in MlflowClient(uri).get_metric_history(run_id, "train/loss")]
+    assert losses and all(math.isfinite(v) for v in losses)
+
+
 def test_checkpoint_round_trip_continues_the_run(glyphs_root: Path, tmp_path: Path) -> None:
     config, run_id, uri = _setup(
         tmp_path,

@@ -561,9 +561,11 @@ class WorkerLoop:
                 self.optimizer.step()
             self.counters.consecutive_skips = 0
         elif self.scaler is not None and math.isfinite(loss):
-            # fp16: the scaled gradients overflowed. Not a diverging run: the scaler skips this update
-            # and lowers its scale (identical on every rank, the gradients are synced).
-            self.scaler.step(self.optimizer)
+            # fp16: the scaled gradients overflowed. Not a diverging run: no update, and the scaler lowers
+            # its scale (identical on every rank, the gradients are synced). Not through scaler.step: a
+            # fused optimizer is handed the overflow to skip it itself, and fused SGD made its momentum
+            # buffers (torch.empty_like) before skipping, so an overflow on the first step left them
+            # uninitialised memory for every later step. update() reads what unscale_ found.
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
             self.counters.overflow_steps += 1
