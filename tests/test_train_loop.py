@@ -133,6 +133,33 @@ def test_an_fp16_overflow_on_the_first_step_leaves_fused_sgd_sound(
     assert losses and all(math.isfinite(v) for v in losses)
 
 
+def test_gradients_that_overflow_at_any_loss_scale_end_the_run_in_one_line(
+    glyphs_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each overflow halves the fp16 loss scale; gradients that overflow whatever the scale never stopped the
+    run (the non-finite step limit counts only non-finite losses)."""
+
+    class Overflowing(torch.amp.GradScaler):
+        def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.fill_(math.inf)
+            super().unscale_(optimizer)
+
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda device: Overflowing(device, init_scale=4.0))
+    config, run_id, uri = _setup(
+        tmp_path, glyphs_root, "train.steps=6", "train.eval_every=100", "train.precision=fp16"
+    )
+    loop = WorkerLoop(config, run_id, uri, LocalContext(tmp_path))
+    before = [p.detach().clone() for p in loop.params]
+    with pytest.raises(
+        NonFiniteLossError, match=r"^fp16: the gradients overflow even with a loss scale of 0\.5 \(3 "
+    ):
+        loop.run()
+    assert all(torch.equal(p, b) for p, b in zip(loop.params, before, strict=True))
+
+
 def test_checkpoint_round_trip_continues_the_run(glyphs_root: Path, tmp_path: Path) -> None:
     config, run_id, uri = _setup(
         tmp_path,

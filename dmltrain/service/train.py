@@ -13,7 +13,7 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from dmltrain.acceleration import (
     compile_network,
@@ -267,6 +267,14 @@ def _grad_norm(parameters: list[nn.Parameter], clip: float | None) -> float:
     if clip is not None:
         return float(torch.nn.utils.clip_grad_norm_(grads, clip, error_if_nonfinite=False))
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads])))
+
+
+def _restore(live: Iterable[Tensor], saved: list[Tensor] | None) -> None:
+    """Put back BatchNorm's running statistics (``saved`` before the step) after a step that is not taken."""
+    if saved is not None:
+        with torch.no_grad():
+            for buffer, copy in zip(live, saved, strict=True):
+                buffer.copy_(copy)
 
 
 class WorkerLoop:
@@ -568,14 +576,20 @@ class WorkerLoop:
             # uninitialised memory for every later step. update() reads what unscale_ found.
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
+            _restore(self.net.buffers(), buffers)
             self.counters.overflow_steps += 1
+            if (
+                self.scaler.get_scale() < 1.0
+            ):  # halved at every overflow: the gradients themselves are not finite
+                raise NonFiniteLossError(
+                    f"fp16: the gradients overflow even with a loss scale of {self.scaler.get_scale():g} "
+                    f"({self.counters.overflow_steps} overflowing steps in all): lower optim.lr, set "
+                    "optim.grad_clip, or set train.precision=bf16 or fp32"
+                )
         else:
             # Identical decision on every rank: the loss and the synced gradients are global.
             self.optimizer.zero_grad(set_to_none=True)
-            if buffers is not None:
-                with torch.no_grad():
-                    for live, saved in zip(self.net.buffers(), buffers, strict=True):
-                        live.copy_(saved)
+            _restore(self.net.buffers(), buffers)
             self.counters.skipped_steps += 1
             self.counters.consecutive_skips += 1
             log.warning(
