@@ -98,10 +98,25 @@ def test_workers_that_a_single_node_cannot_hold_are_refused_with_the_numbers() -
     assert local_capacity_problem(gpu, local, machine_cpus=2, machine_gpus=2) is None
     assert local_capacity_problem(gpu, local, machine_cpus=2, machine_gpus=1) == (
         "scaling.use_gpu=true gives each of scaling.num_workers=2 a GPU, but the single-node Ray cluster of "
-        "this run has 1: set scaling.use_gpu=auto (CPU where there is no GPU) or lower scaling.num_workers"
+        "this run has 1: set scaling.num_workers=1 (the global batch stays train.global_batch_size) or "
+        "scaling.use_gpu=false"
+    )
+    assert "has 0: set scaling.use_gpu=auto (CPU where there is no GPU)" in local_capacity_problem(
+        gpu, local, machine_cpus=2, machine_gpus=0
     )
     auto = load_config(QUICKSTART, ["scaling.use_gpu=auto"])
     assert local_capacity_problem(auto, local, machine_cpus=2, machine_gpus=0) is None
+    # auto on a machine with fewer GPUs than workers trains on GPUs: Ray waited for the missing one until
+    # the worker group's start timed out
+    two_auto = load_config(
+        QUICKSTART, ["scaling.use_gpu=auto", "scaling.num_workers=2", "scaling.cpus_per_worker=1"]
+    )
+    assert local_capacity_problem(two_auto, local, machine_cpus=2, machine_gpus=2) is None
+    assert local_capacity_problem(two_auto, local, machine_cpus=2, machine_gpus=1) == (
+        "scaling.use_gpu=auto gives each of scaling.num_workers=2 a GPU, but the single-node Ray cluster of "
+        "this run has 1: set scaling.num_workers=1 (the global batch stays train.global_batch_size) or "
+        "scaling.use_gpu=false"
+    )
     assert local_capacity_problem(gpu, attached, machine_cpus=2, machine_gpus=0) is None
     two_cpus = ClusterView.from_ray_nodes([_node("n", "127.0.0.1", 2.0)], attached=False)
     assert "of this run has 0: set" in local_capacity_problem(gpu, two_cpus, machine_cpus=2, machine_gpus=2)

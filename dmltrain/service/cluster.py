@@ -129,8 +129,8 @@ def decide_topology(setting: str, view: ClusterView) -> Topology:
 def local_capacity_problem(
     config: ExperimentConfig, view: ClusterView, machine_cpus: int, machine_gpus: int | None = None
 ) -> str | None:
-    """One line when the workers ask for more CPUs (or, with ``scaling.use_gpu=true``, GPUs) than a
-    single-node cluster has, else None.
+    """One line when the workers ask for more CPUs (or GPUs: ``scaling.use_gpu=true``, or ``auto`` on a
+    cluster with a GPU, which the run would then train on) than a single-node cluster has, else None.
 
     Ray would otherwise wait for resources that never come. Only a cluster that cannot grow is checked:
     the local one this driver starts (this machine's CPUs and GPUs; `machine_gpus` None: not counted) or an
@@ -149,11 +149,20 @@ def local_capacity_problem(
             "is set) or scaling.num_workers"
         )
     gpus = view.gpus if view.nodes else machine_gpus
-    if scaling.use_gpu is True and gpus is not None and scaling.num_workers > gpus:
+    if gpus is None or scaling.num_workers <= gpus:
+        return None
+    if scaling.use_gpu is True and gpus < 1:
         return (
             f"scaling.use_gpu=true gives each of scaling.num_workers={scaling.num_workers} a GPU, but the "
             f"single-node Ray cluster of this run has {gpus:g}: set scaling.use_gpu=auto (CPU where there "
             "is no GPU) or lower scaling.num_workers"
+        )
+    if scaling.use_gpu is True or (scaling.use_gpu == "auto" and gpus >= 1):  # auto: GPUs, as the run would
+        return (
+            f"scaling.use_gpu={str(scaling.use_gpu).lower()} gives each of scaling.num_workers="
+            f"{scaling.num_workers} a GPU, but the single-node Ray cluster of this run has {gpus:g}: set "
+            f"scaling.num_workers={int(gpus)} (the global batch stays train.global_batch_size) or "
+            "scaling.use_gpu=false"
         )
     return None
 
