@@ -144,6 +144,11 @@ def test_worker_environment_keys(tmp_path: Path) -> None:
         "scaling.keep_freed_memory=false",
     ]
     assert worker_env_vars(load_config(path, inherited)) == {"DMLTRAIN_LOADER_PRIORITY": "normal"}
+    # torch.compile's compiler processes: as many as the worker's CPUs, where it compiles (auto: GPUs)
+    assert "TORCHINDUCTOR_COMPILE_THREADS" not in worker_env_vars(load_config(path))
+    eight = load_config(path, ["scaling.cpus_per_worker=12"])
+    assert worker_env_vars(eight, use_gpu=True)["TORCHINDUCTOR_COMPILE_THREADS"] == "12"
+    assert worker_env_vars(load_config(path, ["train.compile=true"]))["TORCHINDUCTOR_COMPILE_THREADS"] == "2"
     # auto keeps glibc's defaults on GPU workers; true sets them there too
     assert "MALLOC_ARENA_MAX" not in worker_env_vars(load_config(path), use_gpu=True)
     assert "MALLOC_ARENA_MAX" in worker_env_vars(load_config(path), multi_node=True)

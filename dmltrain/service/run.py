@@ -166,6 +166,9 @@ def _ray_priority(priority: str, tracking_uri: str, run_id: str) -> Iterator[Non
             log.warning("could not tag MLflow run %s with %s: %s", run_id, RAY_PRIORITY_TAG, exc)
 
 
+COMPILE_THREADS_ENV = "TORCHINDUCTOR_COMPILE_THREADS"
+
+
 def worker_env_vars(
     config: ExperimentConfig, multi_node: bool = False, use_gpu: bool = False
 ) -> dict[str, str]:
@@ -189,6 +192,11 @@ def worker_env_vars(
     if priority == "auto":
         priority = "idle" if single_cpu_node else "normal"
     env[LOADER_PRIORITY_ENV] = priority
+    compiles = config.train.compile is True or (config.train.compile == "auto" and use_gpu)
+    if compiles and COMPILE_THREADS_ENV not in os.environ:
+        # torch.compile starts min(32, cores) compiler processes in every worker (each imports torch); eight
+        # GPU workers on a node would start eight times the node's cores. Unmeasured on a multi-GPU node.
+        env[COMPILE_THREADS_ENV] = str(max(1, int(config.scaling.cpus_per_worker)))
     return env
 
 
