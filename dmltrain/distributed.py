@@ -22,6 +22,7 @@ __all__ = [
     "broadcast_buffers_",
     "broadcast_object",
     "communication_device",
+    "gather_uneven",
     "get_rank",
     "get_world_size",
     "is_distributed",
@@ -97,6 +98,26 @@ def all_gather_uneven(tensor: Tensor, sizes: Sequence[int] | None = None) -> Ten
     padded[: tensor.shape[0]] = tensor.to(comm)
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)]).to(tensor.device)
+
+
+def gather_uneven(tensor: Tensor, sizes: Sequence[int], dst: int = 0) -> Tensor:
+    """`all_gather_uneven` for one receiver: rank ``dst`` gets every rank's rows in rank order, the others
+    an empty tensor. Where only one rank uses the result (evaluation scores on rank 0), the others need not
+    hold ``world`` copies of it (a 1M x 512 gallery is 2 GB on each GPU, then again in host memory)."""
+    world = get_world_size()
+    if world == 1:
+        return tensor
+    rank = get_rank()
+    if len(sizes) != world or tensor.shape[0] != sizes[rank]:
+        raise ValueError(f"rank {rank}: {tensor.shape[0]} rows, sizes {list(sizes)} for a world of {world}")
+    comm = communication_device(tensor.device)
+    padded = torch.zeros((max(sizes), *tensor.shape[1:]), dtype=tensor.dtype, device=comm)
+    padded[: tensor.shape[0]] = tensor.to(comm)
+    parts = [torch.empty_like(padded) for _ in range(world)] if rank == dst else None
+    dist.gather(padded, parts, dst=dst)
+    if parts is None:
+        return tensor.new_empty((0, *tensor.shape[1:]))
     return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)]).to(tensor.device)
 
 

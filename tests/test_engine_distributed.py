@@ -29,7 +29,7 @@ from test_engine import (
 from torch.nn.parallel import DistributedDataParallel
 
 from dmltrain.acceleration import compile_network
-from dmltrain.distributed import all_gather_sizes, all_gather_uneven, get_rank, get_world_size
+from dmltrain.distributed import all_gather_sizes, all_gather_uneven, gather_uneven, get_rank, get_world_size
 from dmltrain.engine import global_batch_step
 from dmltrain.losses import SmoothAPLoss
 
@@ -81,6 +81,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], out_dir: str) ->
             "world": get_world_size(),
             "gathered_sizes": all_gather_sizes(sizes[rank]),
             "gathered_labels": all_gather_uneven(labels),
+            "labels_at_1": gather_uneven(labels.float().unsqueeze(1), sizes, dst=1),  # rows of any width
         }
         for scenario, (use_ddp, chunk, freeze_bn, unused) in SCENARIOS.items():
             for loss_name, (make_loss, _) in _losses_for(scenario).items():
@@ -176,6 +177,8 @@ def test_every_rank_gets_the_global_batch_gradient(sizes: list[int], tmp_path: P
         assert (out["rank"], out["world"]) == (rank, world)
         assert out["gathered_sizes"] == sizes
         assert torch.equal(out["gathered_labels"], all_labels)
+        want_at_1 = all_labels.float().unsqueeze(1) if rank == 1 else torch.empty(0, 1)
+        assert torch.equal(out["labels_at_1"], want_at_1), rank  # only rank 1 receives
 
     for scenario, (_, chunk, _, _) in SCENARIOS.items():
         for loss_name, (_, rtol) in _losses_for(scenario).items():

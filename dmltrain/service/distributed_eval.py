@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dmltrain.data import DatasetInfo, EvalLoader
-from dmltrain.distributed import all_gather_objects, all_gather_sizes, all_gather_uneven, broadcast_object
+from dmltrain.distributed import all_gather_objects, all_gather_sizes, broadcast_object, gather_uneven
 from dmltrain.evaluation import nearest_neighbors, retrieval_metrics
 from dmltrain.index import approximate_retrieval_metrics
 from dmltrain.inference import embed_batch
@@ -88,8 +88,8 @@ class EvalImageCache:
 
 @dataclass
 class EmbeddedSplit:
-    """A split's embeddings and labels in rank order, each rank's rows in shard order (complete on rank 0
-    after the gather)."""
+    """A split's embeddings and labels in rank order, each rank's rows in shard order: the whole split on
+    rank 0, none on the others (which keep ``sizes`` and the thumbnails of their own rows)."""
 
     embeddings: torch.Tensor
     labels: torch.Tensor
@@ -177,8 +177,8 @@ def embed_split(
         stacked = torch.cat(thumbs)[order].permute(0, 2, 3, 1).numpy()
         thumbnails = {offset + i: stacked[i] for i in range(len(stacked))}
     return EmbeddedSplit(
-        all_gather_uneven(local, sizes).cpu(),
-        all_gather_uneven(local_labels.to(device), sizes).cpu(),
+        gather_uneven(local, sizes).cpu(),  # rank 0 scores; the others need only their thumbnails
+        gather_uneven(local_labels.to(device), sizes).cpu(),
         sizes,
         thumbnails,
     )
