@@ -155,7 +155,7 @@ def local_capacity_problem(
         return (
             f"scaling.use_gpu=true gives each of scaling.num_workers={scaling.num_workers} a GPU, but the "
             f"single-node Ray cluster of this run has {gpus:g}: set scaling.use_gpu=auto (CPU where there "
-            "is no GPU) or lower scaling.num_workers"
+            "is no GPU) or false"
         )
     if scaling.use_gpu is True or (scaling.use_gpu == "auto" and gpus >= 1):  # auto: GPUs, as the run would
         return (

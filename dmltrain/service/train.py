@@ -578,9 +578,8 @@ class WorkerLoop:
             self.optimizer.zero_grad(set_to_none=True)
             _restore(self.net.buffers(), buffers)
             self.counters.overflow_steps += 1
-            if (
-                self.scaler.get_scale() < 1.0
-            ):  # halved at every overflow: the gradients themselves are not finite
+            # Halved at every overflow: below 1 the gradients themselves are not finite.
+            if self.scaler.get_scale() < 1.0:
                 raise NonFiniteLossError(
                     f"fp16: the gradients overflow even with a loss scale of {self.scaler.get_scale():g} "
                     f"({self.counters.overflow_steps} overflowing steps in all): lower optim.lr, set "
