@@ -110,3 +110,29 @@ def test_collectives_move_tensors_where_the_backend_can_carry_them(
     monkeypatch.setattr(distributed.dist, "get_backend", lambda: backend)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert distributed.communication_device(torch.device(tensor_on)) == torch.device(travels_on)
+
+
+@pytest.mark.parametrize(
+    ("installed", "pinned"),
+    [
+        ({"faiss-cpu": "1.15.1"}, "faiss-cpu==1.15.1"),
+        ({"faiss-gpu-cu12": "1.11.0.1"}, "faiss-cpu~=1.11.0"),  # a GPU build: the CPU one of its release
+        ({"faiss-gpu": "1.7.2"}, "faiss-cpu~=1.7.2"),
+        ({}, "faiss-cpu"),
+    ],
+)
+def test_a_search_model_logged_on_a_gpu_host_installs_on_any_host(
+    monkeypatch: pytest.MonkeyPatch, installed: dict[str, str], pinned: str
+) -> None:
+    """Logged with faiss-gpu, a search model pinned faiss-gpu-cu12: CUDA libraries on CPU hosts, no macOS."""
+    from importlib import metadata
+
+    from dmltrain.service.serving import search_model
+
+    def version(name: str) -> str:
+        if name not in installed:
+            raise metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(search_model.metadata, "version", version)
+    assert search_model._faiss_requirement() == pinned

@@ -28,7 +28,7 @@ from dmltrain.service.serving.pyfunc import EmbeddingModel, PyfuncParts, embeddi
 INDEX_ARTIFACT = "index"
 COLUMNS = ("query", "rank", "score", "id", "shard", "key", "class", "class_name")
 _SEARCH_CODE = Path(__file__).with_name("_search_code.py")
-_FAISS_DISTRIBUTIONS = ("faiss-gpu-cu12", "faiss-gpu", "faiss-cpu")
+_FAISS_DISTRIBUTIONS = ("faiss-cpu", "faiss-gpu-cu12", "faiss-gpu-cu11", "faiss-gpu")
 
 
 class SearchModel(EmbeddingModel):
@@ -79,11 +79,17 @@ def search_signature(params: Any) -> Any:
 
 
 def _faiss_requirement() -> str:
+    """faiss for the served model's environment: the installed faiss-cpu as it is; a GPU build as faiss-cpu
+    of the same release (``~=`` 1.11.0: any 1.11.x), which installs on any host, as torch's pin leaves out
+    its CUDA tag. A GPU host swaps it for faiss-gpu as at install (README, Set up)."""
     for name in _FAISS_DISTRIBUTIONS:
         try:
-            return f"{name}=={metadata.version(name)}"
+            version = metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
+        if name == "faiss-cpu":
+            return f"faiss-cpu=={version}"
+        return "faiss-cpu~=" + ".".join(version.split("+", 1)[0].split(".")[:3])
     return "faiss-cpu"
 
 
