@@ -82,42 +82,44 @@ def all_gather_uneven(tensor: Tensor, sizes: Sequence[int] | None = None) -> Ten
     `sizes` (from `all_gather_sizes`) saves one collective when the caller already knows them. Rows are
     padded to the largest rank's count for the transfer and the padding is dropped again.
     """
-    world = get_world_size()
-    if world == 1:
+    if get_world_size() == 1:
         return tensor
     if sizes is None:
         sizes = all_gather_sizes(tensor.shape[0], tensor.device)
-    if len(sizes) != world:
-        raise ValueError(f"sizes has {len(sizes)} entries for a world of {world}")
-    rank = get_rank()
-    if tensor.shape[0] != sizes[rank]:
-        raise ValueError(f"rank {rank}: tensor has {tensor.shape[0]} rows but sizes[{rank}] = {sizes[rank]}")
-    comm = communication_device(tensor.device)
-    longest = max(sizes)
-    padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype, device=comm)
-    padded[: tensor.shape[0]] = tensor.to(comm)
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
-    return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)]).to(tensor.device)
+    gathered = _gather_padded(tensor, sizes, dst=None)
+    assert gathered is not None
+    return gathered
 
 
 def gather_uneven(tensor: Tensor, sizes: Sequence[int], dst: int = 0) -> Tensor:
     """`all_gather_uneven` for one receiver: rank ``dst`` gets every rank's rows in rank order, the others
     an empty tensor. Where only one rank uses the result (evaluation scores on rank 0), the others need not
     hold ``world`` copies of it (a 1M x 512 gallery is 2 GB on each GPU, then again in host memory)."""
-    world = get_world_size()
-    if world == 1:
+    if get_world_size() == 1:
         return tensor
-    rank = get_rank()
-    if len(sizes) != world or tensor.shape[0] != sizes[rank]:
-        raise ValueError(f"rank {rank}: {tensor.shape[0]} rows, sizes {list(sizes)} for a world of {world}")
+    gathered = _gather_padded(tensor, sizes, dst=dst)
+    return tensor.new_empty((0, *tensor.shape[1:])) if gathered is None else gathered
+
+
+def _gather_padded(tensor: Tensor, sizes: Sequence[int], dst: int | None) -> Tensor | None:
+    """Every rank's rows in rank order, on every rank (``dst`` None) or on rank ``dst`` only (None
+    elsewhere): padded to the largest rank's count for the transfer, the padding dropped again."""
+    world, rank = get_world_size(), get_rank()
+    if len(sizes) != world:
+        raise ValueError(f"sizes has {len(sizes)} entries for a world of {world}")
+    if tensor.shape[0] != sizes[rank]:
+        raise ValueError(f"rank {rank}: tensor has {tensor.shape[0]} rows but sizes[{rank}] = {sizes[rank]}")
     comm = communication_device(tensor.device)
     padded = torch.zeros((max(sizes), *tensor.shape[1:]), dtype=tensor.dtype, device=comm)
     padded[: tensor.shape[0]] = tensor.to(comm)
-    parts = [torch.empty_like(padded) for _ in range(world)] if rank == dst else None
-    dist.gather(padded, parts, dst=dst)
+    if dst is None:
+        parts: list[Tensor] | None = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded)
+    else:
+        parts = [torch.empty_like(padded) for _ in range(world)] if rank == dst else None
+        dist.gather(padded, parts, dst=dst)
     if parts is None:
-        return tensor.new_empty((0, *tensor.shape[1:]))
+        return None
     return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)]).to(tensor.device)
 
 
