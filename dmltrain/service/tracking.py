@@ -24,7 +24,7 @@ import yaml
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
 
-from dmltrain.service.serving.uris import no_artifact_bars
+from dmltrain.service.mlflow_scope import no_artifact_bars
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -117,8 +117,8 @@ def _download(ref: str, tracking_uri: str | None, directory: str) -> Path:
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from dmltrain.service.serving.uris import is_local_store, no_artifact_bars
-    from dmltrain.service.serving.uris import tracking_uri as tracking_uri_block
+    from dmltrain.service.mlflow_scope import is_local_store, no_artifact_bars
+    from dmltrain.service.mlflow_scope import tracking_uri as tracking_uri_block
     from dmltrain.service.tracking import resolve_tracking_uri, sqlite_store_path
 
     uri = resolve_tracking_uri(tracking_uri)

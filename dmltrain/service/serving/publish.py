@@ -18,8 +18,8 @@ from dmltrain.service.best import SCORE_KEY, is_scored
 from dmltrain.service.builders import resolve_preprocessing
 from dmltrain.service.checkpoints import load_state
 from dmltrain.service.config import ExperimentConfig
+from dmltrain.service.mlflow_scope import tracking_uri
 from dmltrain.service.serving.pyfunc import STEP_PARAM, log_embedding_model
-from dmltrain.service.serving.uris import tracking_uri
 from dmltrain.service.serving.weights import WEIGHTS_FILE, save_weights
 
 log = logging.getLogger("dmltrain.service.serving.publish")

@@ -26,7 +26,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import BAD_REQUEST
 
 from dmltrain.inference import ImageInputError, embed_images
-from dmltrain.service.serving.uris import no_artifact_bars, tracking_uri
+from dmltrain.service.mlflow_scope import no_artifact_bars, tracking_uri
 from dmltrain.service.serving.weights import WEIGHTS_FILE, load_weights
 
 WEIGHTS_ARTIFACT = "weights"
