@@ -18,6 +18,7 @@ __all__ = [
     "all_gather_objects",
     "all_gather_sizes",
     "all_gather_uneven",
+    "all_reduce_max_",
     "all_reduce_sum_",
     "broadcast_buffers_",
     "broadcast_object",
@@ -125,14 +126,24 @@ def _gather_padded(tensor: Tensor, sizes: Sequence[int], dst: int | None) -> Ten
 
 def all_reduce_sum_(tensor: Tensor) -> Tensor:
     """Sum `tensor` over ranks in place (a no-op in a world of 1) and return it."""
+    return _all_reduce_(tensor, dist.ReduceOp.SUM)
+
+
+def all_reduce_max_(tensor: Tensor) -> Tensor:
+    """Element-wise maximum of `tensor` over ranks in place (a no-op in a world of 1) and return it: a
+    resource figure (peak memory) must show the rank nearest its limit, not whichever rank logs it."""
+    return _all_reduce_(tensor, dist.ReduceOp.MAX)
+
+
+def _all_reduce_(tensor: Tensor, op: Any) -> Tensor:
     if get_world_size() == 1:
         return tensor
     comm = communication_device(tensor.device)
     if comm == tensor.device:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=op)
     else:
         staged = tensor.to(comm)
-        dist.all_reduce(staged, op=dist.ReduceOp.SUM)
+        dist.all_reduce(staged, op=op)
         tensor.copy_(staged)
     return tensor
 

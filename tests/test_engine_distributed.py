@@ -29,7 +29,14 @@ from test_engine import (
 from torch.nn.parallel import DistributedDataParallel
 
 from dmltrain.acceleration import compile_network
-from dmltrain.distributed import all_gather_sizes, all_gather_uneven, gather_uneven, get_rank, get_world_size
+from dmltrain.distributed import (
+    all_gather_sizes,
+    all_gather_uneven,
+    all_reduce_max_,
+    gather_uneven,
+    get_rank,
+    get_world_size,
+)
 from dmltrain.engine import global_batch_step
 from dmltrain.losses import SmoothAPLoss
 
@@ -82,6 +89,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], out_dir: str) ->
             "gathered_sizes": all_gather_sizes(sizes[rank]),
             "gathered_labels": all_gather_uneven(labels),
             "labels_at_1": gather_uneven(labels.float().unsqueeze(1), sizes, dst=1),  # rows of any width
+            "max_over_ranks": all_reduce_max_(torch.tensor([float(rank), -2.0 * rank], dtype=torch.float64)),
         }
         for scenario, (use_ddp, chunk, freeze_bn, unused) in SCENARIOS.items():
             for loss_name, (make_loss, _) in _losses_for(scenario).items():
@@ -179,6 +187,7 @@ def test_every_rank_gets_the_global_batch_gradient(sizes: list[int], tmp_path: P
         assert torch.equal(out["gathered_labels"], all_labels)
         want_at_1 = all_labels.float().unsqueeze(1) if rank == 1 else torch.empty(0, 1)
         assert torch.equal(out["labels_at_1"], want_at_1), rank  # only rank 1 receives
+        assert out["max_over_ranks"].tolist() == [world - 1.0, 0.0], rank  # element-wise, on every rank
 
     for scenario, (_, chunk, _, _) in SCENARIOS.items():
         for loss_name, (_, rtol) in _losses_for(scenario).items():

@@ -108,6 +108,7 @@ def test_run_logs_then_resumes_into_the_same_mlflow_run(
     assert _history(client, outcome.mlflow_run_id, "eval/test/recall_at_1") == [0, 3, 6]
     for key in ("train/images_per_second", "train/data_wait_share", "train/lr", "eval/test/map_at_r"):
         assert key in run.data.metrics, key
+    assert run.data.metrics["train/peak_rss_mb"] > 100  # the larger of the two ranks' peaks (a collective)
     assert 0.0 <= run.data.metrics["eval/test/recall_at_1"] <= 1.0
     files = _artifacts(client, outcome.mlflow_run_id)
     assert {"config.yaml", "plots/training_curves.png"} <= files

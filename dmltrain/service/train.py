@@ -35,7 +35,7 @@ from dmltrain.data import SamplerSpec, TrainLoader, load_dataset_info
 from dmltrain.data.device_memory import DecodeMemoryError
 from dmltrain.data.errors import SharedMemoryError
 from dmltrain.data.loader import WorkerPriority
-from dmltrain.distributed import all_gather_objects, broadcast_object
+from dmltrain.distributed import all_gather_objects, all_reduce_max_, broadcast_object
 from dmltrain.engine import global_batch_step
 from dmltrain.models import EmbeddingNet
 from dmltrain.service.best import SCORE_KEY, BestTracker, resolve_best_metric
@@ -690,17 +690,15 @@ class WorkerLoop:
             log_now = last or self.step % cfg.log_every == 0
             if log_now:
                 metrics = window.metrics() if window.steps else {}
+                metrics.update(self._peak_memory())
                 metrics.update(
                     {
-                        "train/peak_rss_mb": peak_rss_mb(),  # of the steps since the last evaluation
                         "train/lr": self.optimizer.param_groups[0]["lr"],
                         "train/grad_norm": stats.grad_norm,
                         "train/skipped_steps": self.counters.skipped_steps,
                         "train/empty_batches": self.counters.empty_batches,
                     }
                 )
-                if self.device.type == "cuda":  # GB = 1e9 bytes, peak allocated since the run started
-                    metrics["train/gpu_peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
                 if self.scaler is not None:
                     metrics["train/grad_scale"] = float(self.scaler.get_scale())
                     metrics["train/overflow_steps"] = self.counters.overflow_steps
@@ -734,6 +732,18 @@ class WorkerLoop:
                 break
         if self.logger is not None:
             self._finish()
+
+    def _peak_memory(self) -> dict[str, float]:
+        """The largest rank's peak host and GPU memory: the rank nearest its limit is the one to see, and
+        ranks differ (rank 0 scores evaluations; loader parts differ in size). Every rank logs on the same
+        steps, so the one small collective here is reached by all of them."""
+        # host: the steps since the last evaluation; GPU (GB = 1e9 bytes): allocated since the run started
+        gpu = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else 0.0
+        peaks = all_reduce_max_(torch.tensor([peak_rss_mb(), gpu], dtype=torch.float64, device=self.device))
+        metrics = {"train/peak_rss_mb": float(peaks[0])}
+        if self.device.type == "cuda":
+            metrics["train/gpu_peak_memory_gb"] = float(peaks[1])
+        return metrics
 
     def _upload_profile(self, files: list[Path]) -> None:
         """Rank 0: the recorded steps' trace and operator table to MLflow (profile/), then off the disk."""
