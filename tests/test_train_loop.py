@@ -24,7 +24,7 @@ from dmltrain.service.best import is_scored, worst_score
 from dmltrain.service.checkpoints import checkpoint_dir_name
 from dmltrain.service.config import ExperimentConfig, flatten, load_config, to_yaml
 from dmltrain.service.tracking import start_or_resume_run
-from dmltrain.service.train import NonFiniteLossError, WorkerLoop
+from dmltrain.service.train import NonFiniteLossError, WorkerLoop, seed_step_randomness
 
 REPO = Path(__file__).parents[1]
 
@@ -359,3 +359,40 @@ def test_out_of_gpu_memory_names_the_setting_that_bounds_it() -> None:
     assert str(evaluation).endswith("is free: lower eval.batch_size (now 512)")
     fatal = as_fatal(step, 3, "step 7", explained=True)
     assert str(fatal).startswith("rank 3 step 7: DeviceMemoryError: CUDA out of memory.") and fatal.explained
+
+
+def test_model_randomness_is_per_rank_and_replayed_by_a_resume(glyphs_root: Path, tmp_path: Path) -> None:
+    """efficientnet_b0's stochastic depth draws from torch's generator inside the network. Seeded once at
+    start-up, a resumed run drew the masks of steps 1-2 again at steps 3-4 (its weights left the
+    uninterrupted run's), and every rank drew the same masks."""
+    config, run_id, uri = _setup(
+        tmp_path,
+        glyphs_root,
+        "model.backbone=efficientnet_b0",
+        "model.freeze_bn=false",  # training-mode blocks: stochastic depth is live
+        "train.steps=4",
+        "train.checkpoint_every=2",
+        "train.eval_every=100",
+        f"run.storage_path={tmp_path}",
+        "run.name=loop",
+    )
+    storage = tmp_path / "loop"
+    storage.mkdir()
+    loop = WorkerLoop(config, run_id, uri, LocalContext(storage))
+    loop.run()
+    final = {k: v.clone() for k, v in loop.net.state_dict().items()}
+    MlflowClient(uri).set_tag(run_id, "dmltrain.checkpoint_step", "2")
+    resumed = WorkerLoop(
+        config, run_id, uri, LocalContext(storage, restore_from=storage / "checkpoint_000000002")
+    )
+    assert resumed.step == 2
+    resumed.run()
+    for key, value in resumed.net.state_dict().items():
+        torch.testing.assert_close(value, final[key], msg=key)
+
+    def masks(rank: int, step: int) -> torch.Tensor:
+        seed_step_randomness(config.train.seed, rank, step, torch.device("cpu"))
+        return torch.rand(8)
+
+    assert torch.equal(masks(0, 3), masks(0, 3))
+    assert not torch.equal(masks(0, 3), masks(1, 3)) and not torch.equal(masks(0, 3), masks(0, 4))

@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -82,6 +83,9 @@ class NonFiniteLossError(RuntimeError):
 class DeviceMemoryError(RuntimeError):
     """A training step or an evaluation batch does not fit the GPU: the same shapes fail the same way after
     a restart, so Ray Train's retries would only repeat it (and end in a traceback)."""
+
+
+_MODEL_RANDOMNESS = 0x6D6F64  # "mod": keeps these seeds apart from the loader's (seed, consumer, step)
 
 
 def device_memory_error(
@@ -267,6 +271,18 @@ def _grad_norm(parameters: list[nn.Parameter], clip: float | None) -> float:
     if clip is not None:
         return float(torch.nn.utils.clip_grad_norm_(grads, clip, error_if_nonfinite=False))
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads])))
+
+
+def seed_step_randomness(seed: int, rank: int, step: int, device: torch.device) -> None:
+    """Seed torch's generators for one training step of one rank: the model's own randomness (dropout,
+    drop-path, stochastic depth) then differs between ranks, whose rows would otherwise share masks in
+    rank-sized groups, and depends on the step alone, so a resumed run draws what an uninterrupted one would.
+    The data's augmentations have their own seeded draws (dmltrain.data)."""
+    value = int(np.random.SeedSequence([seed, rank, step, _MODEL_RANDOMNESS]).generate_state(1)[0])
+    torch.default_generator.manual_seed(value)  # not torch.manual_seed: no lazy seeding of every GPU
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(value)
 
 
 def _restore(live: Iterable[Tensor], saved: list[Tensor] | None) -> None:
@@ -543,6 +559,7 @@ class WorkerLoop:
         # Training-mode BatchNorm updates running statistics in the forward pass: keep a copy so a skipped
         # (non-finite) step leaves the model exactly as it was.
         buffers = None if cfg.model.freeze_bn else [b.detach().clone() for b in self.net.buffers()]
+        seed_step_randomness(cfg.train.seed, self.rank, self.step + 1, self.device)
         result = global_batch_step(
             self.model,
             images,
