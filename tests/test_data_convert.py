@@ -464,3 +464,72 @@ def test_default_glyphs_two_processes_build_once(tmp_path: Path) -> None:
     assert min(n for s in info.splits.values() for sh in s.shards for _, n in sh.class_counts) >= 1
     assert set(info.splits) == {"train", "test"} and not info.skipped
     assert ensure_glyphs(tmp_path) == tmp_path
+
+
+def test_inshop_root_survives_a_missing_first_image_and_unanswerable_queries_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The image root was guessed from the first listed image alone: that one missing, every image was
+    skipped. Query and gallery splits warned of single-image classes (normal there) but not of a query item
+    with no gallery image (its queries have no positive)."""
+    rows = []
+    for item in range(1, 5):
+        for j, status in enumerate(["query", "gallery"]):
+            rel = f"img/MEN/Denim/id_{item:08d}/0{j}_1_front.jpg"
+            if (item, j) not in {(1, 0), (4, 1)}:  # the first listed image and item 4's gallery image
+                write_image(tmp_path / "Img" / rel, item * 10 + j)
+            rows.append(f"{rel} id_{item:08d} {status}")
+    (tmp_path / "Eval").mkdir()
+    text = f"{len(rows)}\nimage_name item_id evaluation_status\n" + "\n".join(rows) + "\n"
+    (tmp_path / "Eval" / "list_eval_partition.txt").write_text(text)
+    info = prepare("inshop", str(tmp_path), tmp_path / "out", progress=False)
+    assert (info.splits["query"].num_samples, info.splits["gallery"].num_samples) == (3, 3)
+    assert [s.path for s in info.skipped] == [r.split()[0] for r in (rows[0], rows[7])]
+    err = capsys.readouterr().err
+    assert "single image" not in err
+    assert "test: 1 query image(s) of 1 class(es) have no image of their class in gallery" in err
+    assert "id_00000004" in err
+
+    (tmp_path / "Img").rename(tmp_path / "elsewhere")
+    with pytest.raises(SourceLayoutError, match=r"none of the first 8 listed images \(e.g. img/MEN"):
+        prepare("inshop", str(tmp_path), tmp_path / "out2", progress=False)
+
+
+def test_vehicleid_model_ids_match_as_numbers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A model file with other zero padding than the lists labelled no vehicle, silently."""
+    root = tmp_path / "VehicleID_V1.0"
+    (root / "train_test_split").mkdir(parents=True)
+    (root / "attribute").mkdir()
+    for image in range(1, 7):
+        write_image(root / "image" / f"{image:07d}.jpg", image)
+    train = "0000001 1\n0000002 1\n0000003 2\n0000004 2\n"
+    (root / "train_test_split" / "train_list.txt").write_text(train)
+    for n in (800, 1600, 2400):
+        (root / "train_test_split" / f"test_list_{n}.txt").write_text("0000005 3\n0000006 3\n")
+    (root / "attribute" / "model_attr.txt").write_text("0001 7\n0003 9\n")
+    info = prepare("vehicleid", str(tmp_path), tmp_path / "out", progress=True)
+    assert info.category_names == ["7", "9"]
+    assert "1 of 2 training vehicles have a model" in capsys.readouterr().err
+    (root / "attribute" / "model_attr.txt").write_text("0003 9\n")
+    with pytest.raises(SourceLayoutError, match="labels none of the vehicles"):
+        prepare("vehicleid", str(tmp_path), tmp_path / "out2", progress=False)
+
+
+def test_cars_class_ids_must_run_from_one(tmp_path: Path) -> None:
+    """0-based ids in a home-made cars_annos.csv named class 0 after the last class and merged the two."""
+    text = "relative_im_path,class\n" + "".join(f"car_ims/{i}.jpg,{i // 2}\n" for i in range(8))
+    (tmp_path / "cars_annos.csv").write_text(text)
+    with pytest.raises(SourceLayoutError, match=r"class ids must run 1..N .* found 0..3"):
+        prepare("cars", str(tmp_path), tmp_path / "out", progress=False)
+
+
+def test_folder_split_folders_beside_image_folders_are_refused(tmp_path: Path) -> None:
+    """train/ and test/ beside a stray folder of images became three classes (every training class merged
+    into one called 'train'), with no word."""
+    write_image(tmp_path / "train" / "a" / "0.png", 0, "PNG")
+    write_image(tmp_path / "test" / "b" / "0.png", 1, "PNG")
+    write_image(tmp_path / "samples" / "x.png", 2, "PNG")
+    with pytest.raises(
+        SourceLayoutError, match=r"split folders \(test/, train/\) beside folders with images \(samples/\)"
+    ):
+        prepare("folder", str(tmp_path), tmp_path / "out", progress=False)

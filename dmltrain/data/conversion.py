@@ -36,6 +36,7 @@ from dmltrain.data.images import ImageError, checked_image
 from dmltrain.data.metadata import (
     METADATA_NAME,
     DatasetInfo,
+    Evaluation,
     ShardInfo,
     SkippedFile,
     SplitInfo,
@@ -408,14 +409,19 @@ def _build_info(
 
 
 def _report(info: DatasetInfo, progress: bool) -> None:
-    """Say loudly what would otherwise be easy to miss: skipped files, singleton and empty classes."""
+    """Say loudly what would otherwise be easy to miss: skipped files, singleton and empty classes, queries
+    whose class has no image in their gallery."""
+    # A query or gallery split's queries find their positives in the other split: one image of a class
+    # there is normal (In-Shop), a query class missing from the gallery is what leaves a query unanswerable.
+    paired = {e.query for e in info.evaluations if e.gallery} | {e.gallery for e in info.evaluations}
+    paired -= {e.query for e in info.evaluations if not e.gallery} | {"train"}
     for name, split in info.splits.items():
         _say(
             progress,
             f"{name}: {split.num_samples} images, {split.num_classes} classes, "
             f"{split.num_categories} categories, {len(split.shards)} shards",
         )
-        if split.singleton_classes:
+        if split.singleton_classes and name not in paired:
             shown = ", ".join(info.class_names[c] for c in split.singleton_classes[:10])
             print(
                 f"WARNING: {name}: {len(split.singleton_classes)} class(es) have a single image "
@@ -430,6 +436,8 @@ def _report(info: DatasetInfo, progress: bool) -> None:
                 f"{shown}" + (" ..." if len(split.empty_classes) > 10 else ""),
                 file=sys.stderr,
             )
+    for evaluation in info.evaluations:
+        _report_unanswerable_queries(info, evaluation)
     if info.skipped:
         print(
             f"WARNING: skipped {len(info.skipped)} unreadable image(s); listed in dataset.json 'skipped'",
@@ -437,6 +445,26 @@ def _report(info: DatasetInfo, progress: bool) -> None:
         )
     for note in info.notes:
         print(f"note: {note}", file=sys.stderr)
+
+
+def _report_unanswerable_queries(info: DatasetInfo, evaluation: Evaluation) -> None:
+    """Warn when a query/gallery evaluation has query classes with no gallery image (e.g. after skipped
+    files): those queries have no positive and are left out of the metrics."""
+    if evaluation.gallery is None or not {evaluation.query, evaluation.gallery} <= set(info.splits):
+        return
+    query, gallery = info.splits[evaluation.query], info.splits[evaluation.gallery]
+    in_gallery = {c for shard in gallery.shards for c, _ in shard.class_counts}
+    missing: Counter[int] = Counter()
+    for shard in query.shards:
+        missing.update({c: n for c, n in shard.class_counts if c not in in_gallery})
+    if missing:
+        shown = ", ".join(info.class_names[c] for c in sorted(missing)[:10])
+        print(
+            f"WARNING: {evaluation.name}: {sum(missing.values())} {evaluation.query} image(s) of "
+            f"{len(missing)} class(es) have no image of their class in {evaluation.gallery} (no positive: "
+            f"left out of the metrics): {shown}" + (" ..." if len(missing) > 10 else ""),
+            file=sys.stderr,
+        )
 
 
 def _remove_stale(out: Path, keep: set[str]) -> None:

@@ -17,7 +17,14 @@ def scan_cars(source: Path) -> SourceDataset:
         rows, names = _read_csv(source / "cars_annos.csv")
     else:
         raise SourceLayoutError(f"cars: neither cars_annos.mat nor cars_annos.csv under {source}")
-    num_classes = max(c for _, c in rows)
+    num_classes = max((c for _, c in rows), default=0)
+    unlisted = sorted(set(range(1, num_classes + 1)) - {c for _, c in rows})
+    if min((c for _, c in rows), default=0) < 1 or unlisted:  # class_id - 1 indexes the names
+        raise SourceLayoutError(
+            f"cars: class ids must run 1..N as in the published cars_annos.mat; found "
+            f"{min((c for _, c in rows), default=0)}..{num_classes}"
+            + (f", missing {unlisted[:5]}" if unlisted else "")
+        )
     items = []
     for rel, class_id in rows:
         name = names[class_id - 1] if class_id - 1 < len(names) else str(class_id)

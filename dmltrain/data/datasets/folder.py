@@ -27,10 +27,18 @@ def scan_folder(source: Path, test_fraction: float = 0.0, seed: int = 0) -> Sour
     subdirs = sorted(p for p in source.iterdir() if p.is_dir())
     split_dirs = [p for p in subdirs if p.name in SPLIT_NAMES]
     # Published layouts keep metadata folders beside the split folders (VGGFace2's bb_landmark/): those
-    # hold no images and are skipped with a note; a folder that does hold images makes it a class folder.
+    # hold no images and are skipped with a note; a folder that does hold images makes the layout ambiguous.
     others = [p for p in subdirs if p.name not in SPLIT_NAMES]
     notes = []
-    if split_dirs and not any(_has_images(p) for p in others):
+    with_images = [p for p in others if _has_images(p)] if split_dirs else []
+    if with_images:  # which is it? As classes, train/ would be one class holding every training image
+        raise SourceLayoutError(
+            f"folder: {source} has split folders ({', '.join(d.name + '/' for d in split_dirs)}) beside "
+            f"folders with images ({', '.join(d.name + '/' for d in with_images[:5])}"
+            f"{' ...' if len(with_images) > 5 else ''}): move those into a split folder or out of "
+            f"{source}; classes named {'/'.join(SPLIT_NAMES)} need another name"
+        )
+    if split_dirs:
         if test_fraction > 0:
             raise SourceLayoutError(
                 f"folder: {source} has split folders ({', '.join(d.name + '/' for d in split_dirs)}), which "

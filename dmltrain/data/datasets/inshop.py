@@ -11,6 +11,7 @@ from dmltrain.data.datasets.base import SourceDataset, SourceItem, SourceLayoutE
 from dmltrain.data.metadata import Evaluation
 
 STATUSES = ("train", "query", "gallery")
+_ROOT_SAMPLE = 50  # listed images looked up to find the image root
 
 
 def scan_inshop(source: Path) -> SourceDataset:
@@ -31,7 +32,7 @@ def scan_inshop(source: Path) -> SourceDataset:
         rows.append(parts)
     if int(lines[0]) != len(rows):
         raise SourceLayoutError(f"inshop: {list_file} announces {lines[0]} images but lists {len(rows)}")
-    root = _image_root(source, list_file, rows[0][0] if rows else "")
+    root = _image_root(source, list_file, [path for path, _, _ in rows])
     items = []
     for path, item_id, status in rows:
         parts = path.split("/")
@@ -48,10 +49,15 @@ def scan_inshop(source: Path) -> SourceDataset:
     )
 
 
-def _image_root(source: Path, list_file: Path, first: str) -> Path:
-    """Paths start with `img/`; the folder holding `img/` is the source, `Img/` or the list's parent."""
+def _image_root(source: Path, list_file: Path, paths: list[str]) -> Path:
+    """Paths start with `img/`; the folder holding `img/` is the source, `Img/` or the list's parent: the
+    one where most of the first listed images are (one missing image must not decide it)."""
     candidates = [source, source / "Img", list_file.parent, list_file.parent.parent / "Img"]
-    for root in candidates:
-        if (root / first).exists():
-            return root
-    return source
+    sample = paths[:_ROOT_SAMPLE]
+    found = [sum((root / p).is_file() for p in sample) for root in candidates]
+    if sample and max(found) == 0:
+        raise SourceLayoutError(
+            f"inshop: none of the first {len(sample)} listed images (e.g. {sample[0]}) is under "
+            + ", ".join(str(c) for c in dict.fromkeys(candidates))
+        )
+    return candidates[found.index(max(found))] if sample else source

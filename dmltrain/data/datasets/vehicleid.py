@@ -26,6 +26,13 @@ def _read_pairs(path: Path) -> list[tuple[str, str]]:
     return rows
 
 
+def _number(value: str, path: Path) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise SourceLayoutError(f"vehicleid: {path}: vehicle id {value!r} is not a number") from None
+
+
 def scan_vehicleid(source: Path) -> SourceDataset:
     candidates = ["train_test_split/train_list.txt", "VehicleID_V1.0/train_test_split/train_list.txt"]
     train_list = find_file(source, candidates, "vehicleid")
@@ -34,7 +41,8 @@ def scan_vehicleid(source: Path) -> SourceDataset:
     if not image_dir.is_dir():
         raise SourceLayoutError(f"vehicleid: image folder {image_dir} is missing")
     model_file = root / "attribute" / "model_attr.txt"
-    models = dict(_read_pairs(model_file)) if model_file.is_file() else {}
+    # Ids compared as numbers: a file written with another zero padding would otherwise label nothing.
+    models = {_number(v, model_file): m for v, m in _read_pairs(model_file)} if model_file.is_file() else {}
     notes = [] if models else [f"{model_file} missing: no vehicle has a model (category) label"]
     lists = [("train", train_list)]
     lists += [
@@ -44,7 +52,7 @@ def scan_vehicleid(source: Path) -> SourceDataset:
     items = []
     for split, list_file in lists:
         for image_id, vehicle in _read_pairs(list_file):
-            model = models.get(vehicle)
+            model = models.get(_number(vehicle, list_file))
             items.append(
                 SourceItem(
                     split,
@@ -54,6 +62,14 @@ def scan_vehicleid(source: Path) -> SourceDataset:
                     category=model,
                     meta={"image_id": image_id, "vehicle_id": vehicle, "model_id": model},
                 )
+            )
+    if models:
+        train = {it.class_name for it in items if it.split == "train"}
+        labelled = {it.class_name for it in items if it.split == "train" and it.category is not None}
+        notes.append(f"{len(labelled)} of {len(train)} training vehicles have a model ({model_file.name})")
+        if not labelled:
+            raise SourceLayoutError(
+                f"vehicleid: {model_file} labels none of the vehicles in {train_list} (vehicle ids differ?)"
             )
     return SourceDataset(
         name="vehicleid",
