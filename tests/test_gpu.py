@@ -261,6 +261,20 @@ def test_auto_precision_on_this_gpu() -> None:
     assert precision.grad_scaling == (precision.name == "fp16")
 
 
+def test_step_seeds_reach_the_gpu_generator_and_leave_the_host_one_alone() -> None:
+    """A network on the GPU draws dropout masks from the GPU's generator; the host's may be in use by a
+    prefetch thread drawing crops under its own seed (in-process loader), so a step must not reseed it."""
+    from dmltrain.service.train import seed_step_randomness
+
+    def masks(rank: int, step: int) -> torch.Tensor:
+        seed_step_randomness(0, rank, step, CUDA)
+        return torch.rand(16, device=CUDA).cpu()
+
+    host = torch.get_rng_state()
+    assert torch.equal(masks(0, 3), masks(0, 3)) and not torch.equal(masks(0, 3), masks(1, 3))
+    assert torch.equal(torch.get_rng_state(), host)
+
+
 def test_a_step_too_large_for_the_gpu_is_one_line_naming_the_chunk() -> None:
     """A real CUDA out-of-memory error: the worker loop's line keeps torch's account and names the key."""
     from dmltrain.service.config import load_config

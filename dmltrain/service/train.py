@@ -279,10 +279,13 @@ def seed_step_randomness(seed: int, rank: int, step: int, device: torch.device) 
     rank-sized groups, and depends on the step alone, so a resumed run draws what an uninterrupted one would.
     The data's augmentations have their own seeded draws (dmltrain.data)."""
     value = int(np.random.SeedSequence([seed, rank, step, _MODEL_RANDOMNESS]).generate_state(1)[0])
-    torch.default_generator.manual_seed(value)  # not torch.manual_seed: no lazy seeding of every GPU
     if device.type == "cuda":
+        # A network on the GPU draws its masks from the GPU's generator. The host's is left alone: a
+        # prefetch thread may be drawing a batch's crops from it (in-process loader) at this moment.
         with torch.cuda.device(device):
             torch.cuda.manual_seed(value)
+    else:  # the host's generator, which an in-process loader uses only inside this thread's own steps
+        torch.default_generator.manual_seed(value)  # not torch.manual_seed: no lazy seeding of every GPU
 
 
 def _restore(live: Iterable[Tensor], saved: list[Tensor] | None) -> None:
