@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from dmltrain.models import build_model, normalize_images
-from dmltrain.service.builders import build_optimizer, load_optimizer_state, lr_factor
+from dmltrain.service.builders import (
+    build_optimizer,
+    build_scheduler,
+    load_optimizer_state,
+    lr_factor,
+    restore_schedule,
+)
 from dmltrain.service.config import OptimConfig
 
 
@@ -115,3 +121,31 @@ def test_normalize_images_grey_and_rgb() -> None:
     out = normalize_images(grey)
     assert out.shape == (2, 3, 4, 4) and out.dtype == torch.float32
     torch.testing.assert_close(out[0, 0, 0, 0], torch.tensor((1 - 0.485) / 0.229))
+
+
+def test_a_resumed_optimizer_and_schedule_keep_this_launchs_settings() -> None:
+    """run.resume=must with another optim.lr: torch restored the checkpoint's rates (param groups and the
+    scheduler's base_lrs), so training went on at the old rate though the segment record said otherwise.
+    train.steps under auto: a cosine decay spans the new length from the step it resumes at."""
+    model = build_model("resnet18", 8)
+    old_cfg = OptimConfig(name="adam", lr=0.01, weight_decay=1e-4, schedule="cosine")
+    old = build_optimizer(model, old_cfg)
+    old_schedule = build_scheduler(old, old_cfg, 100)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    for _ in range(50):
+        old.step()
+        old_schedule.step()
+    new_cfg = OptimConfig(name="adam", lr=0.001, weight_decay=0.0, schedule="cosine")
+    resumed = build_optimizer(model, new_cfg)
+    schedule = build_scheduler(resumed, new_cfg, 200)
+    load_optimizer_state(resumed, old.state_dict())
+    restore_schedule(schedule, old_schedule.state_dict())
+    assert schedule.last_epoch == 50 and resumed.state_dict()["state"][0]["step"].item() == 50.0
+    bases = [0.001, 0.01]  # the backbone, the embedding layer at 10x
+    assert [g["initial_lr"] for g in resumed.param_groups] == pytest.approx(bases)
+    want = [base * lr_factor(new_cfg, 200, 50) for base in bases]
+    assert [g["lr"] for g in resumed.param_groups] == pytest.approx(want)
+    assert schedule.get_last_lr() == pytest.approx(want)
+    assert all(g["weight_decay"] == 0.0 for g in resumed.param_groups)
+    schedule.step()
+    assert resumed.param_groups[0]["lr"] == pytest.approx(0.001 * lr_factor(new_cfg, 200, 51))

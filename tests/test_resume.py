@@ -81,6 +81,30 @@ def test_finished_runs_are_left_alone_until_they_are_made_longer() -> None:
     assert plan_launch(_config("train.steps=400"), _existing(old), 2, URI).action == "resume"
 
 
+def test_a_run_that_stopped_early_is_left_alone_unless_its_patience_changes() -> None:
+    """A run early-stopped at step 200 of 300 and relaunched as it was trained again (FINISHED counted as
+    done only at train.steps): each relaunch trained eval_every more steps and published its models again."""
+    old = _config("train.early_stopping_patience=2")
+    stopped = ExistingRun("abc123", "FINISHED", 200, 1, old.model_dump(mode="json"), early_stopped_at=200)
+    done = plan_launch(old, stopped, 2, URI)
+    assert done.action == "done" and "stopped early at step 200" in done.message
+    assert (
+        plan_launch(_config("train.early_stopping_patience=2", "train.steps=600"), stopped, 2, URI).action
+        == "done"
+    )
+    patient = _config("train.early_stopping_patience=5", "run.resume=must")
+    assert plan_launch(patient, stopped, 2, URI).action == "resume"
+
+
+def test_auto_refuses_a_new_chunk_size_with_live_batchnorm() -> None:
+    """Chunks are exact with frozen BatchNorm only: live BatchNorm normalises each chunk by itself, so the
+    chunk size is part of the recipe (RLL's SOP/In-Shop configs; the out-of-memory advice lowers it)."""
+    live = _config("model.freeze_bn=false")
+    with pytest.raises(ConfigError, match=r"changes train\.chunk_size: 128 -> 32"):
+        plan_launch(_config("model.freeze_bn=false", "train.chunk_size=32"), _existing(live), 2, URI)
+    assert plan_launch(_config("train.chunk_size=32"), _existing(_config()), 2, URI).changed
+
+
 def test_checkpoints_and_mlflow_must_agree() -> None:
     old = _config()
     with pytest.raises(

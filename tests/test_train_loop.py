@@ -396,3 +396,36 @@ def test_model_randomness_is_per_rank_and_replayed_by_a_resume(glyphs_root: Path
 
     assert torch.equal(masks(0, 3), masks(0, 3))
     assert not torch.equal(masks(0, 3), masks(1, 3)) and not torch.equal(masks(0, 3), masks(0, 4))
+
+
+def test_a_run_restored_after_it_stopped_early_stays_stopped(glyphs_root: Path, tmp_path: Path) -> None:
+    """Restored from the checkpoint early stopping wrote (a restart after it, a relaunch with the same
+    patience), the loop trained on until its patience ran out again, one more checkpoint each time. A
+    relaunch with another optimizer starts that afresh instead of failing in the step (KeyError 'betas')."""
+    config, run_id, uri = _setup(
+        tmp_path,
+        glyphs_root,
+        "train.steps=6",
+        "train.eval_every=1",
+        "train.checkpoint_every=1",
+        "train.best_metric=eval/test/recall@1",
+        "train.early_stopping_patience=1",
+        "train.early_stopping_min_delta=1.0",  # no evaluation after the first is better
+        f"run.storage_path={tmp_path}",
+        "run.name=loop",
+    )
+    storage = tmp_path / "loop"
+    storage.mkdir()
+    loop = WorkerLoop(config, run_id, uri, LocalContext(storage))
+    loop.run()
+    assert loop.step == 2
+    again = LocalContext(storage, restore_from=storage / "checkpoint_000000002")
+    restored = WorkerLoop(config, run_id, uri, again)
+    restored.run()
+    assert restored.step == 2 and again.reports == []
+
+    sgd = config.model_copy(update={"optim": config.optim.model_copy(update={"name": "sgd"})})
+    relaunched = WorkerLoop(
+        sgd, run_id, uri, LocalContext(storage, restore_from=storage / "checkpoint_000000002")
+    )
+    assert relaunched.step == 2 and not relaunched.optimizer.state  # afresh, not Adam's moments

@@ -127,17 +127,41 @@ def _can_fuse(params: list[torch.Tensor]) -> bool | None:
     return True if all(p.is_floating_point() for p in params) else None
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load a checkpointed optimizer state but keep this run's implementation (fused / foreach).
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, state: dict[str, Any], *, keep_settings: bool = True
+) -> None:
+    """Load a checkpointed optimizer state (moments, step counts) but keep this run's settings.
 
-    torch restores those flags from the saved parameter groups, so a checkpoint written before fusing
-    would otherwise switch the resumed run back to the slow loop.
+    torch restores every group setting from the checkpoint: the implementation (fused / foreach; a
+    checkpoint written before fusing would switch the resumed run back to the slow loop) and, unless
+    ``keep_settings`` is False, the hyperparameters (lr, weight decay, momentum, betas), which a
+    ``run.resume=must`` relaunch changes on purpose. The learning rate of the step itself is the
+    scheduler's to set (`restore_schedule`).
     """
-    current = [{k: g[k] for k in _IMPLEMENTATION_FLAGS if k in g} for g in optimizer.param_groups]
+    keep = None if keep_settings else _IMPLEMENTATION_FLAGS
+    current = [
+        {k: v for k, v in g.items() if k != "params" and (keep is None or k in keep)}
+        for g in optimizer.param_groups
+    ]
     saved_groups = state.get("param_groups", [])
     if len(saved_groups) == len(current):
         state = {**state, "param_groups": [{**g, **c} for g, c in zip(saved_groups, current, strict=True)]}
     optimizer.load_state_dict(state)
+
+
+def restore_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict[str, Any]) -> None:
+    """Continue a checkpointed schedule at its step with this run's base rates and shape: a relaunch with
+    another ``optim.lr`` (``run.resume=must``) or ``train.steps`` (a cosine decay then spans the new length)
+    trains with what it says from its first step on, not with the checkpoint's rates."""
+    base_lrs = list(scheduler.base_lrs)
+    scheduler.load_state_dict(state)
+    scheduler.base_lrs = base_lrs
+    step = scheduler.last_epoch
+    for group, base, factor in zip(
+        scheduler.optimizer.param_groups, base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        group["lr"] = base * factor(step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # get_last_lr()
 
 
 def lr_factor(cfg: OptimConfig, total_steps: int, step: int) -> float:

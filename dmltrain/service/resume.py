@@ -27,7 +27,8 @@ from dmltrain.service.config import ConfigError, ExperimentConfig, flatten
 from dmltrain.service.tracking import ExistingRun
 
 # Keys a resumed run may change: length, cadence, fault tolerance and pure execution settings that leave the
-# trained model unchanged (chunk_size: the engine computes the same global-batch gradient whatever it is;
+# trained model unchanged (chunk_size: the engine computes the same global-batch gradient whatever it is,
+# with frozen BatchNorm (`_resumable`);
 # data.decode, data.host_decode_share: the same samples, crops and flips, only the JPEG decoder differs;
 # data.cache_mb: the same batches).
 RESUMABLE_KEYS = frozenset(
@@ -52,6 +53,11 @@ RESUMABLE_KEYS = frozenset(
         "scaling.keep_freed_memory",
         "scaling.ray_priority",
         "scaling.topology",
+        "scaling.worker_niceness",
+        "scaling.cpus_per_worker",
+        "data.loader_priority",
+        "run.checkpoint_upload",
+        "mlflow.register_as",
         "data.prepare",
         "data.decode",
         "data.host_decode_share",
@@ -97,6 +103,15 @@ def _flatten_raw(raw: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 def _describe(changes: dict[str, tuple[str | None, str | None]]) -> str:
     return ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changes.items())
+
+
+def _resumable(key: str, config: ExperimentConfig) -> bool:
+    """Whether ``run.resume=auto`` may continue a run across a change of ``key``. Chunks are exact only with
+    frozen BatchNorm: live BatchNorm normalises each chunk with its own statistics, so the chunk size is
+    part of the recipe there."""
+    if key == "train.chunk_size":
+        return config.model.freeze_bn
+    return key in RESUMABLE_KEYS
 
 
 DATA_CHANGE = "<data: dataset.json fingerprint>"  # a change no config key shows: the data was re-prepared
@@ -162,7 +177,7 @@ def plan_launch(
     known = existing.data_fingerprint
     if known and data_fingerprint and known != data_fingerprint:
         changed[DATA_CHANGE] = (known[:12], data_fingerprint[:12])  # sha256 hex: 12 digits tell them apart
-    blocking = {k: v for k, v in changed.items() if k not in RESUMABLE_KEYS}
+    blocking = {k: v for k, v in changed.items() if not _resumable(k, config)}
     if blocking and mode == "auto":
         raise ConfigError(
             f"run.resume=auto: {name} exists ({where}) and this launch changes {_describe(blocking)}; "
@@ -170,6 +185,15 @@ def plan_launch(
             f"this run with them (recorded in MLflow as a new segment)"
         )
     step = existing.checkpoint_step or 0
+    stopping = {k for k in changed if k.startswith("train.early_stopping_") or k == "train.best_metric"}
+    if existing.status == "FINISHED" and existing.early_stopped_at is not None and not stopping:
+        return LaunchPlan(
+            "done",
+            changed,
+            f"{name} stopped early at step {existing.early_stopped_at} (train.early_stopping_patience="
+            f"{config.train.early_stopping_patience}): nothing to train; relaunch with run.resume=must and "
+            f"another train.early_stopping_patience to train further, or set a new run.name for a new run",
+        )
     if existing.status == "FINISHED" and step >= config.train.steps:
         return LaunchPlan(
             "done",

@@ -37,6 +37,7 @@ SEGMENT_TAG = "dmltrain.segment"  # number of the latest launch
 SEGMENTS_TAG = "dmltrain.segments"  # "1@0; 2@300 (train.steps: 300 -> 600)": every launch, its first step
 SEGMENT_METRIC = "run/segment"  # N logged at the first step of launch N
 DATA_TAG = "dmltrain.data_fingerprint"  # dataset.json's fingerprint of the latest launch's data
+EARLY_STOP_TAG = "dmltrain.early_stopped_at_step"  # the step early stopping ended the run at
 _MAX_TAG_LENGTH = 5000
 _MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 _BATCH = 100  # params or metrics per log_batch call, well under MLflow's limits
@@ -81,6 +82,7 @@ class ExistingRun:
     segments: int  # launches so far
     config: dict[str, Any] | None  # the latest launch's resolved config; None when it cannot be read
     data_fingerprint: str | None = None  # the latest launch's dataset.json fingerprint (tag; None: unknown)
+    early_stopped_at: int | None = None  # the step early stopping ended the run at (tag), if it did
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,7 @@ def find_run(tracking_uri: str, experiment: str, key: str) -> ExistingRun | None
         segments=int(tags.get(SEGMENT_TAG, "1")),
         config=_latest_config(client, run.info.run_id),
         data_fingerprint=tags.get(DATA_TAG),
+        early_stopped_at=int(stopped) if (stopped := tags.get(EARLY_STOP_TAG, "")).isdigit() else None,
     )
 
 

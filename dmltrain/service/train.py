@@ -49,6 +49,7 @@ from dmltrain.service.builders import (
     build_train_transform,
     load_optimizer_state,
     resolve_preprocessing,
+    restore_schedule,
 )
 from dmltrain.service.checkpoints import (
     TrainingState,
@@ -69,7 +70,7 @@ from dmltrain.service.memory import peak_rss_mb, reset_peak_rss
 from dmltrain.service.prefetch import BatchPrefetcher
 from dmltrain.service.preflight import shared_memory_config_problem
 from dmltrain.service.profiling import StepProfiler
-from dmltrain.service.tracking import RunLogger
+from dmltrain.service.tracking import EARLY_STOP_TAG, RunLogger
 from dmltrain.small_convs import gemm_weight_grads_help, use_matmul_for_small_convs
 from dmltrain.versions import version_line
 
@@ -436,12 +437,27 @@ class WorkerLoop:
             state = load_state(directory)
             stream_state = load_stream_state(directory, self.rank)
         self.net.load_state_dict(state.model)
-        load_optimizer_state(self.optimizer, state.optimizer)
-        self.scheduler.load_state_dict(state.scheduler)
+        # A relaunch may change settings (run.resume=must; train.steps under auto): the state carries on,
+        # this launch's config says how (learning rates, schedule, Tn schedule, optimizer).
+        saved_optimizer = state.extra.get("optimizer", self.config.optim.name)  # absent: written before
+        if saved_optimizer == self.config.optim.name:
+            load_optimizer_state(self.optimizer, state.optimizer)
+        elif self.rank == 0:
+            log.warning(
+                "optim.name changed from %s to %s: the optimizer starts afresh (%s's moments are not "
+                "carried over)",
+                saved_optimizer,
+                self.config.optim.name,
+                saved_optimizer,
+            )
+        restore_schedule(self.scheduler, state.scheduler)
         self.step = state.step
         self.counters.load_state_dict(state.counters)
-        if self.tn_schedule is not None:
-            self.tn_schedule.load_state_dict(state.extra["tn_schedule"])
+        if self.tn_schedule is not None:  # this launch's t1, t2 and length, at the checkpoint's iteration
+            saved_tn = state.extra.get("tn_schedule") or {"cur_iter": self.step}
+            self.tn_schedule.load_state_dict(
+                {**self.tn_schedule.state_dict(), "cur_iter": saved_tn["cur_iter"]}
+            )
         if self.best is not None:
             self.best.load_state_dict(state.extra.get("best"))
         if self.scaler is not None and state.extra.get("grad_scaler"):
@@ -484,6 +500,7 @@ class WorkerLoop:
                     counters=self.counters.state_dict(),
                     world_size=self.world,
                     extra={
+                        "optimizer": self.config.optim.name,
                         "tn_schedule": self.tn_schedule.state_dict() if self.tn_schedule else None,
                         "best": self.best.state_dict() if self.best else None,
                         "grad_scaler": self.scaler.state_dict() if self.scaler else None,
@@ -520,7 +537,7 @@ class WorkerLoop:
                     self.best.step,
                 )
                 if self.logger is not None:
-                    self.logger.set_tag("dmltrain.early_stopped_at_step", str(self.step))
+                    self.logger.set_tag(EARLY_STOP_TAG, str(self.step))
         return bool(broadcast_object(stop))
 
     # ------------------------------------------------------------------ evaluation
@@ -694,7 +711,15 @@ class WorkerLoop:
             self._log(evaluated)
         reset_peak_rss()  # train/peak_rss_mb: the training steps' peak, not the evaluation's
         window = _Window()
-        while self.step < cfg.steps:
+        # Restored from the checkpoint of a run that stopped early (a restart after it, or a relaunch under
+        # run.resume=must with the same patience): it stays stopped. Every rank restored the same state.
+        stopped = self.best is not None and self.best.should_stop
+        if stopped and self.rank == 0:
+            log.info(
+                "the run stopped early at step %d (train.early_stopping_patience): nothing to train",
+                self.step,
+            )
+        while not stopped and self.step < cfg.steps:
             if self.profiler is not None:
                 self.profiler.before_step(self.step + 1)
             stats = self._train_step()
