@@ -1,6 +1,6 @@
 """Benchmark: the training service against a bare PyTorch loop on the same cores and the same decoded data.
 
-    python bench/service.py            # the quickstart's scale: 300-step service runs, 5 rounds of steps
+    python bench/service.py            # quickstart scale: runs of train.steps (600), 5 rounds of steps
     python bench/service.py --quick    # 3 rounds, 30-step service runs with a small evaluation (smoke)
 
 The model, loss, optimizer, image size and global batch come from the config (default

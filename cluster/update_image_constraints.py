@@ -20,7 +20,13 @@ import importlib.metadata as metadata
 import sys
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError:
+        sys.exit("update_image_constraints.py needs Python 3.11+ (tomllib) or `pip install tomli` on 3.10")
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name

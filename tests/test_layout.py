@@ -20,6 +20,10 @@ LIBRARY = [
     "dmltrain.verification",
     "dmltrain.plots",
     "dmltrain.distributed",
+    "dmltrain.index",
+    "dmltrain.inference",
+    "dmltrain.acceleration",
+    "dmltrain.small_convs",
 ]
 
 

@@ -46,6 +46,21 @@ def test_a_failed_background_write_is_raised_not_dropped(tmp_path: Path) -> None
     logger.close()
 
 
+def test_a_checkpoint_the_store_cannot_tag_is_a_warning_not_a_failed_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Called inside Ray's checkpoint upload: raising there failed a checkpoint complete in storage, and
+    Ray restarted the workers from the one before."""
+    uri, run_id = _run(tmp_path)
+    logger = RunLogger(uri, run_id)
+    logger.record_checkpoint(2)
+    MlflowClient(uri).delete_run(run_id)  # the store now refuses writes to this run
+    logger.record_checkpoint(4)
+    assert logger.checkpoint_step == 2
+    assert "checkpoint at step 4 stored, but not tagged in MLflow" in caplog.text
+    logger.close()
+
+
 def test_artifacts_of_a_sqlite_store_stay_beside_it_whatever_the_working_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from dmltrain.service.checkpoints import checkpoint_dir_step
+from dmltrain.service.checkpoints import checkpoint_dir_name, checkpoint_dir_step
 from dmltrain.service.config import load_config
 from dmltrain.service.run import launch
 from dmltrain.service.serving.loading import load_embedding_model
@@ -104,3 +104,15 @@ def test_best_checkpoint_early_stop_models_and_registry(
     assert {m.model_id for m in after} == before  # the PENDING one is gone
     assert [str(v.version) for v in client.search_model_versions("name = 'quickstart-glyphs'")] == ["1"]
     assert cut_short.model_id not in {m.model_id for m in after}
+
+    # Ray's result names an older checkpoint than the one rank 0 stored and tagged (a node died before
+    # Ray registered it; the relaunch restored the tagged one and trained nothing): the final model is
+    # the tagged one, not Ray's.
+    from types import SimpleNamespace
+
+    from ray.train import Checkpoint
+
+    older = Checkpoint(str(tmp_path / "ray_results" / "best" / checkpoint_dir_name(2)))
+    stale = SimpleNamespace(checkpoint=older, best_checkpoints=[])
+    final_model = publish_run_models(stale, config, uri, outcome.mlflow_run_id).models["model"]
+    assert final_model == (outcome.models["model"], 4)

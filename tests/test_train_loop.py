@@ -429,3 +429,9 @@ def test_a_run_restored_after_it_stopped_early_stays_stopped(glyphs_root: Path, 
         sgd, run_id, uri, LocalContext(storage, restore_from=storage / "checkpoint_000000002")
     )
     assert relaunched.step == 2 and not relaunched.optimizer.state  # afresh, not Adam's moments
+    # Another network is no fault a restart fixes (a RuntimeError was retried run.max_failures times).
+    wider = config.model_copy(update={"model": config.model.model_copy(update={"embedding_dim": 64})})
+    with pytest.raises(
+        ValueError, match=r"step-2 checkpoint does not fit this launch's network .*size mismatch"
+    ):
+        WorkerLoop(wider, run_id, uri, LocalContext(storage, restore_from=storage / "checkpoint_000000002"))

@@ -304,11 +304,17 @@ class RunLogger:
     def record_checkpoint(self, step: int) -> None:
         """Tag ``step`` as the newest checkpoint complete in storage. Called from Ray's upload thread when
         uploads are asynchronous (hence its own client and the lock); an older step never overwrites a
-        newer one, whatever order uploads finish in."""
+        newer one, whatever order uploads finish in. The tag is a hint (a restart otherwise resumes from
+        Ray's newest registered checkpoint): a tracking server that fails here is a warning, not a failed
+        checkpoint, which Ray would answer by restarting the workers from the one before."""
         with self._lock:
             if self.checkpoint_step is not None and step <= self.checkpoint_step:
                 return
-            MlflowClient(self.tracking_uri).set_tag(self.run_id, CHECKPOINT_STEP_TAG, str(step))
+            try:
+                MlflowClient(self.tracking_uri).set_tag(self.run_id, CHECKPOINT_STEP_TAG, str(step))
+            except Exception as exc:  # MLflow raises its own and requests' errors after its retries
+                log.warning("checkpoint at step %d stored, but not tagged in MLflow: %s", step, exc)
+                return
             self.checkpoint_step = step
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:

@@ -436,7 +436,14 @@ class WorkerLoop:
         with checkpoint.as_directory() as directory:
             state = load_state(directory)
             stream_state = load_stream_state(directory, self.rank)
-        self.net.load_state_dict(state.model)
+        try:
+            self.net.load_state_dict(state.model)
+        except RuntimeError as exc:  # a ValueError: fatal at setup, no restart fits it better
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            raise ValueError(
+                f"the step-{state.step} checkpoint does not fit this launch's network (model.* changed under "
+                f"run.resume=must? set a new run.name for another model): {' '.join(lines[:2])}"
+            ) from exc
         # A relaunch may change settings (run.resume=must; train.steps under auto): the state carries on,
         # this launch's config says how (learning rates, schedule, Tn schedule, optimizer).
         saved_optimizer = state.extra.get("optimizer", self.config.optim.name)  # absent: written before

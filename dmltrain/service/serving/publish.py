@@ -16,11 +16,12 @@ from typing import Any
 
 from dmltrain.service.best import SCORE_KEY, is_scored
 from dmltrain.service.builders import resolve_preprocessing
-from dmltrain.service.checkpoints import load_state
+from dmltrain.service.checkpoints import checkpoint_dir_step, checkpoint_uri, load_state
 from dmltrain.service.config import ExperimentConfig
 from dmltrain.service.mlflow_scope import tracking_uri
 from dmltrain.service.serving.pyfunc import STEP_PARAM, log_embedding_model
 from dmltrain.service.serving.weights import WEIGHTS_FILE, save_weights
+from dmltrain.service.tracking import CHECKPOINT_STEP_TAG
 
 log = logging.getLogger("dmltrain.service.serving.publish")
 
@@ -93,11 +94,33 @@ def best_checkpoint(result: Any, config: ExperimentConfig) -> tuple[Any, float] 
     return pick(scored, key=lambda item: item[1])
 
 
+def final_checkpoint(result: Any, config: ExperimentConfig, tracking: str, run_id: str) -> Any:
+    """The run's newest checkpoint: Ray's, or the newer one rank 0 tagged in MLflow as complete in storage
+    (a node or driver that died between storing it and Ray registering it; the relaunch restored it, as
+    the worker loop does, and trained nothing further, so Ray's result still names the older one)."""
+    import mlflow
+    import ray.train
+
+    tagged = mlflow.MlflowClient(tracking).get_run(run_id).data.tags.get(CHECKPOINT_STEP_TAG, "")
+    registered = checkpoint_dir_step(str(result.checkpoint.path)) if result.checkpoint is not None else None
+    if not tagged.isdigit() or (result.checkpoint is not None and (registered or 0) >= int(tagged)):
+        return result.checkpoint
+    uri = checkpoint_uri(config.run.storage_path, config.run.name, int(tagged))
+    log.info(
+        "final model from the step-%s checkpoint rank 0 stored (%s); Ray registered %s",
+        tagged,
+        uri,
+        registered,
+    )
+    return ray.train.Checkpoint(uri)
+
+
 def publish_run_models(result: Any, config: ExperimentConfig, tracking: str, run_id: str) -> Published:
     """Log the final and best models of a finished Ray Train ``result``; register if mlflow.register_as."""
     models: dict[str, tuple[str, int]] = {}
-    if result.checkpoint is not None:
-        models[FINAL_MODEL] = _log_checkpoint(result.checkpoint, config, tracking, run_id, FINAL_MODEL, {})
+    final = final_checkpoint(result, config, tracking, run_id)
+    if final is not None:
+        models[FINAL_MODEL] = _log_checkpoint(final, config, tracking, run_id, FINAL_MODEL, {})
     best = best_checkpoint(result, config)
     if best is not None:
         checkpoint, score = best
