@@ -162,7 +162,8 @@ class _Window:
 
 @dataclass
 class _Counters:
-    """Run totals that survive a restart (checkpointed), plus the current run of skipped steps."""
+    """Run totals and the current run of skipped steps: all survive a restart (checkpointed), so a restart
+    inside a run of non-finite steps does not reset the count `train.max_skipped_steps` bounds."""
 
     skipped_steps: int = 0
     empty_batches: int = 0
@@ -174,12 +175,14 @@ class _Counters:
             "skipped_steps": self.skipped_steps,
             "empty_batches": self.empty_batches,
             "overflow_steps": self.overflow_steps,
+            "consecutive_skips": self.consecutive_skips,
         }
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.empty_batches = int(state.get("empty_batches", 0))
         self.overflow_steps = int(state.get("overflow_steps", 0))
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
 
 
 class _PhaseTimes:
