@@ -2,10 +2,11 @@
 
 A search service runs one model server per worker (`dmltrain serve --workers N`), and each loads the index.
 Read into memory, every process holds its own copy; mapped (faiss's ``IO_FLAG_MMAP_IFC``), the vectors and
-codes live once in the page cache and every process shares them. This starts ``--processes`` processes per
-case that load the same stored index, search it (touching every page a search needs), and, all alive at
-once, report their memory from ``/proc/self/smaps_rollup``: private (anonymous) memory each, and the sum of
-their proportional set sizes (shared pages divided among the processes that map them).
+codes live once in the page cache and every process shares them; so do the id map's columns. This starts
+``--processes`` processes per case that load the same stored index and id map, search it (touching every
+page a search needs), and, all alive at once, report their memory from ``/proc/self/smaps_rollup``: private
+(anonymous) memory each, and the sum of their proportional set sizes (shared pages divided among the
+processes that map them).
 
     python bench/index_memory.py                       # 500k x 512 flat and IVF-PQ, 2 processes
     python bench/index_memory.py --n 100000 --kinds flat,hnsw
@@ -36,8 +37,13 @@ def _memory_mb() -> dict[str, float]:
 def _serve_once(directory: str, mapped: bool, queries: np.ndarray, barrier: Any, out: Any) -> None:
     import dmltrain.index as index_module
 
-    if not mapped:
-        index_module._read_flags = lambda faiss: 0  # the read-into-memory baseline
+    if not mapped:  # the read-into-memory baseline: index and id map
+        index_module._read_flags = lambda faiss: 0
+
+        def read_instead(path: Any, member: str) -> np.ndarray:
+            raise ValueError("baseline: read, not mapped")
+
+        index_module._mapped_member = read_instead
     started = time.perf_counter()
     stored = index_module.load_index(directory)
     loaded = time.perf_counter() - started
@@ -83,7 +89,9 @@ def main() -> None:
     gallery = rng.standard_normal((args.n, args.dim), dtype=np.float32)
     gallery /= np.linalg.norm(gallery, axis=1, keepdims=True)
     queries = gallery[rng.choice(args.n, args.queries, replace=False)]
-    ids = IdMap(np.zeros(args.n, np.int64), [str(i) for i in range(args.n)], np.zeros(args.n, np.int64))
+    # Keys as long as a real data set's (SOP: "bicycle_final/111085122871_0.JPG"-like source names)
+    keys = [f"product_final/{i:012d}_{i % 7}" for i in range(args.n)]
+    ids = IdMap(np.zeros(args.n, np.int64), keys, np.arange(args.n, dtype=np.int64) // 5)
     mapping = "available" if hasattr(faiss, "IO_FLAG_MMAP_IFC") else "absent"
     print(
         f"gallery {args.n:,} x {args.dim}, {args.processes} processes per case, {args.queries} queries "

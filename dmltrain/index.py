@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 import time
+import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -465,11 +466,57 @@ def load_index(directory: str | os.PathLike[str]) -> StoredIndex:
             f"{root / INDEX_FILE}: faiss cannot read it ({lines[-1] if lines else exc})"
         ) from None
     _reapply_search_params(raw, spec)
-    with np.load(root / IDS_FILE, allow_pickle=False) as data:
-        ids = IdMap(data["shard"], data["key"], data["label"])
+    ids = _load_ids(root / IDS_FILE)
     if len(ids) != raw.ntotal:
         raise ValueError(f"{root}: {IDS_FILE} has {len(ids)} rows but {INDEX_FILE} holds {raw.ntotal}")
     return StoredIndex(EmbeddingIndex(raw, spec, int(meta["dim"])), ids, meta)
+
+
+def _load_ids(path: Path) -> IdMap:
+    """The id map, its columns memory-mapped from ``ids.npz`` like the index itself: server processes then
+    share one copy (the keys alone are 64 MB per million rows as numpy strings). np.savez stores members
+    uncompressed, so each ``.npy`` member lies whole in the archive; anything else is read normally."""
+    columns = {}
+    with np.load(path, allow_pickle=False) as data:
+        for name in ("shard", "key", "label"):
+            if name not in data.files:
+                raise ValueError(f"{path}: no '{name}' column (a dmltrain id map holds shard, key and label)")
+        try:
+            columns = {name: _mapped_member(path, f"{name}.npy") for name in ("shard", "key", "label")}
+        except (ValueError, OSError, zipfile.BadZipFile):
+            columns = {name: data[name] for name in ("shard", "key", "label")}
+    return IdMap(columns["shard"], columns["key"], columns["label"])
+
+
+def _mapped_member(path: Path, member: str) -> np.ndarray:
+    """A stored (uncompressed) ``.npy`` member of a zip archive, mapped read-only; ValueError if it is not
+    one that can be mapped (compressed, Fortran order, an object array)."""
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(member)
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"{member} is compressed")
+    with open(path, "rb") as handle:
+        handle.seek(info.header_offset)
+        local = handle.read(30)  # the local file header; its name and extra field lengths vary
+        if local[:4] != b"PK\x03\x04":
+            raise ValueError(f"{member}: no local file header")
+        name_length, extra_length = (
+            int.from_bytes(local[26:28], "little"),
+            int.from_bytes(local[28:30], "little"),
+        )
+        start = info.header_offset + 30 + name_length + extra_length
+        handle.seek(start)
+        version = np.lib.format.read_magic(handle)
+        readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+        if version not in readers:
+            raise ValueError(f"{member}: .npy format {version}")
+        shape, fortran, dtype = readers[version](handle)
+        offset = handle.tell()
+    if fortran or dtype.hasobject:
+        raise ValueError(f"{member} cannot be mapped")
+    if math.prod(shape) == 0:
+        return np.empty(shape, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
 
 
 # ------------------------------------------------------------------------------- approximate evaluation

@@ -706,11 +706,14 @@ def test_a_loaded_index_is_mapped_and_outlives_a_rebuild_into_its_directory(tmp_
 
         save_index(directory, build_index(x, "flat"), ids(3000), {})
         loaded = load_index(directory)
-        mapped = f"{directory}/index.faiss" in open("/proc/self/maps").read()
+        maps = open("/proc/self/maps").read()
+        mapped = f"{directory}/index.faiss" in maps
         assert mapped == hasattr(faiss, "IO_FLAG_MMAP_IFC"), mapped
+        assert f"{directory}/ids.npz" in maps  # the id map too: one copy for every server process
         before = loaded.search(x[:20], 5)[1]
         save_index(directory, build_index(x[:100], "flat"), ids(100), {})  # a much shorter file
         assert (loaded.search(x[:20], 5)[1] == before).all()
+        assert loaded.ids.row(2999) == {"id": 2999, "shard": 0, "key": "k2999", "class": 2999 % 30}
         assert load_index(directory).index.ntotal == 100
         print("mapped" if mapped else "read")
         """
