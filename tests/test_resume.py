@@ -7,6 +7,8 @@ driver and Ray are in test_service.py.
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,8 @@ from dmltrain.service.checkpoints import count_ray_checkpoints
 from dmltrain.service.config import ConfigError, ExperimentConfig, flatten, load_config
 from dmltrain.service.resume import DATA_CHANGE, RESUMABLE_KEYS, config_changes, plan_launch
 from dmltrain.service.tracking import (
+    HEARTBEAT_STALE_SECONDS,
+    DriverHeartbeat,
     ExistingRun,
     Segment,
     continue_run,
@@ -24,6 +28,7 @@ from dmltrain.service.tracking import (
     find_run,
     run_key,
     set_run_status,
+    wait_out_a_silent_driver,
 )
 
 REPO = Path(__file__).parents[1]
@@ -201,6 +206,34 @@ def test_segments_and_status_in_mlflow(tmp_path: Path) -> None:
     assert record["changed"]["optim.lr"] == {"from": "0.001", "to": "0.0001"}
     again = find_run(uri, "exp", key)
     assert again is not None and again.segments == 2 and again.config == second.model_dump(mode="json")
+
+    # While its driver lives, the run is refused to a second launch of the same name, whatever run.resume
+    # says (a job submitted twice trained beside the first into one checkpoint directory and MLflow run).
+    with DriverHeartbeat(uri, run_id, interval=0.2):
+        first_beat = find_run(uri, "exp", key)
+        assert first_beat is not None and first_beat.heartbeat is not None
+        assert first_beat.heartbeat[1] == f"{os.uname().nodename} pid {os.getpid()}"
+        for mode in ("auto", "must"):
+            with pytest.raises(ConfigError, match=r"is being trained by another driver \(.* pid \d+, alive"):
+                plan_launch(_config(f"run.resume={mode}", "train.steps=600"), first_beat, 1, uri)
+        time.sleep(1.5)  # renewed meanwhile
+        renewed = find_run(uri, "exp", key)
+        assert renewed is not None and renewed.heartbeat is not None
+        assert renewed.heartbeat[0] > first_beat.heartbeat[0]
+        # A launch that finds a fresh heartbeat waits to see it renewed (alive: refused) ...
+        started = time.monotonic()
+        seen = wait_out_a_silent_driver(uri, "exp", key, find_run(uri, "exp", key), stale_after=30, poll=0.05)
+        assert time.monotonic() - started < 5 and seen is not None and seen.heartbeat is not None
+        with pytest.raises(ConfigError, match="is being trained by another driver"):
+            plan_launch(second, seen, 1, uri)
+    # ... or go stale: a driver killed outright (an OOM-killed pod retried at once) leaves the run RUNNING
+    # with a heartbeat that is never renewed; it counts as gone once the heartbeat is stale.
+    started = time.monotonic()
+    silent = wait_out_a_silent_driver(uri, "exp", key, find_run(uri, "exp", key), stale_after=2, poll=0.05)
+    assert silent is not None and silent.heartbeat is not None and 1.0 < time.monotonic() - started < 10
+    assert silent.heartbeat == find_run(uri, "exp", key).heartbeat  # never renewed
+    later = silent.heartbeat[0] + HEARTBEAT_STALE_SECONDS + 1
+    assert plan_launch(second, silent, 1, uri, now=later).action == "resume"
 
 
 def test_checkpoint_count_on_local_storage(tmp_path: Path) -> None:

@@ -120,6 +120,7 @@ def test_run_logs_then_resumes_into_the_same_mlflow_run(
     ops = client.download_artifacts(outcome.mlflow_run_id, "profile/ops_steps_2-3.txt", str(tmp_path))
     assert "aten::convolution" in Path(ops).read_text()  # the backbone's operators, by CPU time
     assert run.data.tags["dmltrain.checkpoint_step"] == "6"
+    assert re.fullmatch(r"[\d.]+ \S+ pid \d+", run.data.tags["dmltrain.driver_heartbeat"])  # see test_resume
     # Ray started the workers with the config's OpenMP policy, thread count and niceness (0: added to this
     # process's own, not Ray's 15), and the CPU workers' loaders yield to the step (data.loader_priority).
     assert run.data.tags["dmltrain.omp_wait_policy"].endswith("(GOMP_SPINCOUNT=10000)")  # brief

@@ -18,13 +18,14 @@ whether the driver lets it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import ValidationError
 
 from dmltrain.service.config import ConfigError, ExperimentConfig, flatten
-from dmltrain.service.tracking import ExistingRun
+from dmltrain.service.tracking import HEARTBEAT_STALE_SECONDS, ExistingRun
 
 # Keys a resumed run may change: length, cadence, fault tolerance and pure execution settings that leave the
 # trained model unchanged (chunk_size: the engine computes the same global-batch gradient whatever it is,
@@ -123,12 +124,15 @@ def plan_launch(
     checkpoints: int | None,
     tracking_uri: str,
     data_fingerprint: str | None = None,
+    now: float | None = None,
 ) -> LaunchPlan:
     """Decide from ``run.resume``, the run's MLflow record and the number of Ray checkpoints on storage
     (None: storage could not be listed, so only MLflow's record counts). ``data_fingerprint``: the
     fingerprint in the ``dataset.json`` this launch would train on. Data prepared again with other options
     (another test split, resize, seed) under the same ``data.root`` changes it, and is a change like any
-    other setting: continuing would train on former test classes and mix two test sets in one run.
+    other setting: continuing would train on former test classes and mix two test sets in one run. A run
+    whose driver is alive (a fresh heartbeat: ``DriverHeartbeat``; ``now`` defaults to the clock) is refused
+    whatever ``run.resume`` says.
 
     Raises ConfigError (one line, naming ``run.resume`` / ``run.name`` and what to do) when refused.
     """
@@ -151,6 +155,15 @@ def plan_launch(
         if existing is not None
         else f"{checkpoints} Ray checkpoint(s) but no MLflow run in {tracking_uri}"
     )
+    if existing is not None and existing.status == "RUNNING" and existing.heartbeat is not None:
+        age = (time.time() if now is None else now) - existing.heartbeat[0]
+        if age < HEARTBEAT_STALE_SECONDS:
+            raise ConfigError(
+                f"run.name={config.run.name} is being trained by another driver ({existing.heartbeat[1]}, "
+                f"alive {max(age, 0):.0f} s ago, MLflow run {existing.run_id}): wait for it or stop it (ray "
+                f"job stop), or set a new run.name; a driver that was killed outright counts as gone "
+                f"{HEARTBEAT_STALE_SECONDS:.0f} s after its last sign of life"
+            )
     if mode == "never":
         raise ConfigError(
             f"run.resume=never: {name} already exists ({where}); set a new run.name to start a new run, "

@@ -62,6 +62,7 @@ from dmltrain.service.preflight import (
 from dmltrain.service.ray_priority import keep_ray_in_background
 from dmltrain.service.resume import plan_launch
 from dmltrain.service.tracking import (
+    DriverHeartbeat,
     Segment,
     continue_run,
     create_run,
@@ -71,6 +72,7 @@ from dmltrain.service.tracking import (
     run_key,
     set_run_status,
     set_run_tag,
+    wait_out_a_silent_driver,
 )
 
 log = logging.getLogger("dmltrain.service.run")
@@ -402,7 +404,9 @@ def launch(
             log.warning(note)
 
     key = run_key(config.run.storage_path, config.run.name)
-    existing = find_run(tracking_uri, config.mlflow.experiment, key)
+    existing = wait_out_a_silent_driver(
+        tracking_uri, config.mlflow.experiment, key, find_run(tracking_uri, config.mlflow.experiment, key)
+    )
     checkpoints = count_ray_checkpoints(config.run.storage_path, config.run.name)
     plan = plan_launch(config, existing, checkpoints, tracking_uri, info.fingerprint)
     if plan.message:
@@ -477,7 +481,7 @@ def launch(
         ),
     )
     ray_priority = resolve_ray_priority(config, topology.multi_node, use_gpu)
-    with _run_status(tracking_uri, run_id):
+    with _run_status(tracking_uri, run_id), DriverHeartbeat(tracking_uri, run_id):
         try:
             with _ray_priority(ray_priority, tracking_uri, run_id):
                 result = _fit(trainer)

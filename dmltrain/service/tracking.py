@@ -38,6 +38,9 @@ SEGMENTS_TAG = "dmltrain.segments"  # "1@0; 2@300 (train.steps: 300 -> 600)": ev
 SEGMENT_METRIC = "run/segment"  # N logged at the first step of launch N
 DATA_TAG = "dmltrain.data_fingerprint"  # dataset.json's fingerprint of the latest launch's data
 EARLY_STOP_TAG = "dmltrain.early_stopped_at_step"  # the step early stopping ended the run at
+HEARTBEAT_TAG = "dmltrain.driver_heartbeat"  # "<unix seconds> <host> pid <pid>" of the driver training it
+HEARTBEAT_SECONDS = 30.0  # how often a live driver renews it
+HEARTBEAT_STALE_SECONDS = 120.0  # older than this, the driver that wrote it is taken to be gone
 _MAX_TAG_LENGTH = 5000
 _MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 _BATCH = 100  # params or metrics per log_batch call, well under MLflow's limits
@@ -83,6 +86,7 @@ class ExistingRun:
     config: dict[str, Any] | None  # the latest launch's resolved config; None when it cannot be read
     data_fingerprint: str | None = None  # the latest launch's dataset.json fingerprint (tag; None: unknown)
     early_stopped_at: int | None = None  # the step early stopping ended the run at (tag), if it did
+    heartbeat: tuple[float, str] | None = None  # (unix time, "host pid N") of the driver's last heartbeat
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,81 @@ def find_run(tracking_uri: str, experiment: str, key: str) -> ExistingRun | None
         config=_latest_config(client, run.info.run_id),
         data_fingerprint=tags.get(DATA_TAG),
         early_stopped_at=int(stopped) if (stopped := tags.get(EARLY_STOP_TAG, "")).isdigit() else None,
+        heartbeat=_parse_heartbeat(tags.get(HEARTBEAT_TAG, "")),
     )
+
+
+def _parse_heartbeat(value: str) -> tuple[float, str] | None:
+    when, _, who = value.partition(" ")
+    try:
+        return float(when), who
+    except ValueError:
+        return None
+
+
+def wait_out_a_silent_driver(
+    tracking_uri: str,
+    experiment: str,
+    key: str,
+    existing: ExistingRun | None,
+    stale_after: float = HEARTBEAT_STALE_SECONDS,
+    poll: float = 5.0,
+) -> ExistingRun | None:
+    """A RUNNING run with a fresh heartbeat: is its driver alive (a job submitted twice), or was it killed
+    outright a moment ago (an OOM-killed driver pod that Kubernetes retries at once)? Wait and see: the
+    record comes back as soon as the heartbeat is renewed (alive: the launch is refused), goes stale (gone:
+    the launch resumes), or the run ends."""
+    if existing is None or existing.status != "RUNNING" or existing.heartbeat is None:
+        return existing
+    first = existing.heartbeat
+    if time.time() - first[0] >= stale_after:
+        return existing
+    log.warning(
+        "run %s shows a live driver (%s, %.0f s ago): waiting up to %.0f s for it to renew its heartbeat "
+        "(alive: this launch is refused) or fall silent (gone: this launch resumes the run)",
+        existing.run_id,
+        first[1],
+        time.time() - first[0],
+        stale_after - (time.time() - first[0]),
+    )
+    while True:
+        time.sleep(poll)
+        found = find_run(tracking_uri, experiment, key)
+        if found is None or found.status != "RUNNING" or found.heartbeat is None or found.heartbeat != first:
+            return found
+        if time.time() - first[0] >= stale_after:
+            return found
+
+
+class DriverHeartbeat:
+    """While a driver trains a run, a tag renewed every ``HEARTBEAT_SECONDS`` says so: a second launch of the
+    same ``run.name`` (a job submitted twice) would otherwise resume the RUNNING run beside it, both writing
+    checkpoints to one directory and metrics to one MLflow run. A driver killed outright stops renewing it."""
+
+    def __init__(self, tracking_uri: str, run_id: str, interval: float = HEARTBEAT_SECONDS) -> None:
+        self.tracking_uri, self.run_id, self.interval = tracking_uri, run_id, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="dmltrain-heartbeat", daemon=True)
+
+    def __enter__(self) -> DriverHeartbeat:
+        self._renew()  # before any worker starts: a second launch from now on sees it
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._renew()
+            except Exception as error:  # a tracking server hiccup is no reason to stop training
+                log.warning("could not renew the driver heartbeat in MLflow: %s", error)
+
+    def _renew(self) -> None:
+        value = f"{time.time():.3f} {os.uname().nodename} pid {os.getpid()}"
+        MlflowClient(self.tracking_uri).set_tag(self.run_id, HEARTBEAT_TAG, value)
 
 
 def _latest_config(client: MlflowClient, run_id: str) -> dict[str, Any] | None:
