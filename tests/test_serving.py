@@ -35,10 +35,11 @@ from dmltrain.index import (
     save_index,
 )
 from dmltrain.inference import embed_batch, embed_images, image_tensor
-from dmltrain.service.best import BestTracker, resolve_best_metric, worst_score
+from dmltrain.service.best import BestMetricError, BestTracker, resolve_best_metric, worst_score
 from dmltrain.service.builders import build_network, build_test_transform
 from dmltrain.service.cli import main as cli
 from dmltrain.service.config import load_config
+from dmltrain.service.errors import FATAL_IN_LOOP
 from dmltrain.service.serving.publish import register
 from dmltrain.service.serving.pyfunc import log_embedding_model
 from dmltrain.service.serving.weights import save_weights
@@ -440,6 +441,10 @@ def test_best_tracker_patience_and_state() -> None:
     assert resolve_best_metric("eval/large/map@r", ["small", "large"], (1, 5)) == "eval/large/map@r"
     with pytest.raises(ValueError, match="train.best_metric='eval/test/recall@3'"):
         resolve_best_metric("eval/test/recall@3", ["test"], (1, 2))
+    # A NaN metric (no test query with a positive) evaluates the same after a restart: never retried.
+    with pytest.raises(BestMetricError, match="is NaN at step 40"):
+        restored.update({"eval/test/recall@1": float("nan")}, 40)
+    assert BestMetricError in FATAL_IN_LOOP
 
 
 def test_checkpoint_scores_rank_checkpoints_as_the_tracker_does() -> None:

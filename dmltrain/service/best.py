@@ -52,6 +52,11 @@ def resolve_best_metric(best_metric: str | None, evaluations: list[str], ks: tup
     return best_metric
 
 
+class BestMetricError(ValueError):
+    """The metric that ranks checkpoints is missing or NaN (e.g. no test query has a positive): a restart
+    evaluates the same checkpoint to the same value, so it is not retried."""
+
+
 @dataclass
 class BestTracker:
     """Best value of ``metric`` and the step it was reached at; counts evaluations since."""
@@ -67,10 +72,10 @@ class BestTracker:
     def update(self, metrics: dict[str, float], step: int) -> bool:
         """Take an evaluation's metrics; True when it is a new best. A missing or NaN value is an error."""
         if self.metric not in metrics:
-            raise KeyError(f"train.best_metric={self.metric!r} is not among the evaluation's metrics")
+            raise BestMetricError(f"train.best_metric={self.metric!r} is not among the evaluation's metrics")
         value = float(metrics[self.metric])
         if math.isnan(value):
-            raise ValueError(f"train.best_metric={self.metric!r} is NaN at step {step}")
+            raise BestMetricError(f"train.best_metric={self.metric!r} is NaN at step {step}")
         better = self.score is None or (
             value > self.score + self.min_delta if self.mode == "max" else value < self.score - self.min_delta
         )

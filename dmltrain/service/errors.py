@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dmltrain.data.errors import SampleError, SamplingError, SharedMemoryError
 from dmltrain.data.shards import ShardError
+from dmltrain.service.best import BestMetricError
 
 
 class FatalRunError(RuntimeError):
@@ -32,7 +33,7 @@ class FatalRunError(RuntimeError):
 # what the data causes (a damaged shard or image, a batch its classes cannot fill) replays on a restart.
 # A node whose /dev/shm cannot hold what the loaders keep there stays so across restarts.
 FATAL_IN_SETUP = (ValueError, KeyError, TypeError, FileNotFoundError, ImportError, SharedMemoryError)
-FATAL_IN_LOOP = (ShardError, SampleError, SamplingError, SharedMemoryError)
+FATAL_IN_LOOP = (ShardError, SampleError, SamplingError, SharedMemoryError, BestMetricError)
 
 
 def as_fatal(exc: BaseException, rank: int, phase: str, *, explained: bool = False) -> FatalRunError:
