@@ -63,6 +63,7 @@ EXACT_LIMIT = 250_000
 INDEX_FILE = "index.faiss"
 IDS_FILE = "ids.npz"
 META_FILE = "index.json"
+INDEX_FILES = (INDEX_FILE, IDS_FILE, META_FILE)  # an index directory's own files
 FORMAT_VERSION = 1
 # faiss-gpu answers at most this many neighbours per query (GPU_MAX_SELECTION_K); more are found on the CPU
 GPU_MAX_K = 2048
@@ -378,7 +379,8 @@ class StoredIndex:
         score, class_name (from ``meta``, None when unknown). Fewer when the index holds fewer."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        scores, ids = self.search(queries, k)
+        # faiss pads past the index's size with -1, after allocating for all k: ask for what exists
+        scores, ids = self.search(queries, max(1, min(k, self.index.ntotal)))
         names = self.meta.get("class_names", {})
         found = []
         for row_scores, row_ids in zip(scores, ids, strict=True):
@@ -449,15 +451,23 @@ def load_index(directory: str | os.PathLike[str]) -> StoredIndex:
     `save_index` does), not by rewriting them, while something has it loaded."""
     faiss = _faiss()
     root = Path(directory)
-    for name in (INDEX_FILE, IDS_FILE, META_FILE):
+    for name in INDEX_FILES:
         if not (root / name).is_file():
             raise FileNotFoundError(f"{root} is not a dmltrain index: {name} is missing")
-    meta = json.loads((root / META_FILE).read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{root / META_FILE}: format_version {meta.get('format_version')} != {FORMAT_VERSION}"
-        )
-    spec = IndexSpec(**meta["spec"])
+    try:
+        meta = json.loads((root / META_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{root / META_FILE}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        found = meta.get("format_version") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{root / META_FILE}: format_version {found} != {FORMAT_VERSION}")
+    missing = [key for key in ("spec", "dim") if key not in meta]
+    if missing:
+        raise ValueError(f"{root / META_FILE}: no {', '.join(missing)} (written by `dmltrain index`?)")
+    try:
+        spec = IndexSpec(**meta["spec"])
+    except TypeError as exc:
+        raise ValueError(f"{root / META_FILE}: its spec is not one this version reads ({exc})") from None
     try:
         raw = faiss.read_index(str(root / INDEX_FILE), _read_flags(faiss))
     except RuntimeError as exc:  # faiss's message is a multi-line C++ trace; its last line says what failed
@@ -477,14 +487,24 @@ def _load_ids(path: Path) -> IdMap:
     share one copy (the keys alone are 64 MB per million rows as numpy strings). np.savez stores members
     uncompressed, so each ``.npy`` member lies whole in the archive; anything else is read normally."""
     columns = {}
-    with np.load(path, allow_pickle=False) as data:
+    with open(path, "rb") as handle:
+        if handle.read(4) != b"PK\x03\x04":  # numpy would call anything else "pickled data"
+            raise ValueError(f"{path}: not a readable id map (not an .npz archive)")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
+        raise ValueError(f"{path}: not a readable id map ({type(exc).__name__}: {exc})") from None
+    with data:
         for name in ("shard", "key", "label"):
             if name not in data.files:
                 raise ValueError(f"{path}: no '{name}' column (a dmltrain id map holds shard, key and label)")
         try:
             columns = {name: _mapped_member(path, f"{name}.npy") for name in ("shard", "key", "label")}
         except (ValueError, OSError, zipfile.BadZipFile):
-            columns = {name: data[name] for name in ("shard", "key", "label")}
+            try:
+                columns = {name: data[name] for name in ("shard", "key", "label")}
+            except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:  # a damaged member
+                raise ValueError(f"{path}: not a readable id map ({type(exc).__name__}: {exc})") from None
     return IdMap(columns["shard"], columns["key"], columns["label"])
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -27,18 +28,23 @@ class ImageInputError(ValueError):
     it back to its client as the request's fault."""
 
 
-def image_tensor(image: Any, what: str = "image") -> torch.Tensor:
+def image_tensor(image: Any, what: str = "image", max_pixels: int | None = None) -> torch.Tensor:
     """One image as uint8 (3, H, W) RGB: encoded JPEG/PNG/WebP bytes (or their base64 text, as JSON carries
-    them), or a uint8 array (H, W, C) with C in 1, 3, 4 or (H, W). An array is what its PNG would decode to
-    (`transforms.flatten`): RGBA composited onto white, grey repeated."""
+    them, line breaks allowed), or a uint8 array (H, W, C) with C in 1, 3, 4 or (H, W). An array is what
+    its PNG would decode to (`transforms.flatten`): RGBA composited onto white, grey repeated.
+    ``max_pixels``: larger images are refused before they are decoded (a server's guard against a small
+    file that decodes to gigabytes)."""
     if isinstance(image, str):
-        try:
-            image = base64.b64decode(image, validate=True)
-        except (binascii.Error, ValueError):
-            raise ImageInputError(f"{what}: a string must be base64-encoded image bytes") from None
+        image = _from_base64(image.encode("ascii", "replace"))
+        if image is None:
+            raise ImageInputError(f"{what}: a string must be base64-encoded image bytes")
     if isinstance(image, bytes | bytearray | memoryview):
+        data = bytes(image)
+        if _image_format(data) is None:  # base64 text that arrived as bytes (MLflow's inputs / instances)
+            data = _from_base64(data) or data
+        _check_pixels(data, what, max_pixels)
         try:
-            return decode(bytes(image))
+            return decode(data)
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
             raise ImageInputError(f"{what}: cannot decode the image bytes ({decode_failure(exc)})") from exc
     a = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
@@ -48,10 +54,41 @@ def image_tensor(image: Any, what: str = "image") -> torch.Tensor:
         a = a[:, :, None]
     if a.ndim != 3 or a.shape[2] not in (1, 3, 4) or min(a.shape[:2]) < 1:
         raise ImageInputError(f"{what}: expected a (H, W, C) array with C in 1, 3 or 4, got shape {a.shape}")
+    if max_pixels is not None and a.shape[0] * a.shape[1] > max_pixels:
+        raise ImageInputError(f"{what}: {a.shape[1]}x{a.shape[0]} pixels, over the limit of {max_pixels:,}")
     if a.shape[2] == 4:
         a = np.asarray(flatten(Image.fromarray(np.ascontiguousarray(a), "RGBA")))
     a = np.repeat(a, 3, axis=2) if a.shape[2] == 1 else a
     return torch.from_numpy(np.ascontiguousarray(a)).permute(2, 0, 1)
+
+
+def _from_base64(text: bytes) -> bytes | None:
+    try:
+        return base64.b64decode(b"".join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
+def _image_format(data: bytes) -> str | None:
+    """The format PIL recognises in ``data``'s header, None when it recognises none."""
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            return probe.format
+    except Exception:  # UnidentifiedImageError, and whatever a damaged header raises
+        return None
+
+
+def _check_pixels(data: bytes, what: str, max_pixels: int | None) -> None:
+    """Refuse an image over ``max_pixels`` from its header, before decoding it."""
+    if max_pixels is None:
+        return
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            width, height = probe.size
+    except Exception:  # not an image: decoding says so, naming it
+        return
+    if width * height > max_pixels:
+        raise ImageInputError(f"{what}: {width}x{height} pixels, over the limit of {max_pixels:,}")
 
 
 @torch.no_grad()
@@ -79,17 +116,20 @@ def embed_images(
     batch_size: int = 64,
     normalize: Callable[[torch.Tensor], torch.Tensor] = normalize_images,
     names: Sequence[str] | None = None,
+    max_pixels: int | None = None,
 ) -> np.ndarray:
     """Embed encoded images or uint8 arrays of any size: each goes through ``transform`` (the test resize +
     centre crop), then batches through :func:`embed_batch`. Returns float32 (N, D). An image that cannot
-    be read is named in the error by ``names`` (file names, say), else by its position."""
+    be read, or one over ``max_pixels``, is named in the error by ``names`` (file names, say), else by its
+    position; no images at all is an ImageInputError too."""
     was_training = net.training
     net.eval()
     rows: list[np.ndarray] = []
     batch: list[torch.Tensor] = []
     try:
         for i, image in enumerate(images):
-            batch.append(transform(image_tensor(image, names[i] if names is not None else f"image {i}")))
+            what = names[i] if names is not None else f"image {i}"
+            batch.append(transform(image_tensor(image, what, max_pixels)))
             if len(batch) == batch_size:
                 rows.append(embed_batch(net, torch.stack(batch), device, None, normalize).cpu().numpy())
                 batch = []
@@ -98,5 +138,5 @@ def embed_images(
     finally:
         net.train(was_training)
     if not rows:
-        raise ValueError("no images to embed")
+        raise ImageInputError("no images to embed")
     return np.concatenate(rows).astype(np.float32, copy=False)

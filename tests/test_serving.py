@@ -6,13 +6,16 @@ glyph shards; one tiny model (resnet18 at 32 px) logged once per module.
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +25,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
-from dmltrain.data import EvalLoader, load_dataset_info
+from dmltrain.data import EvalLoader, load_dataset_info, prepare
 from dmltrain.data.shards import read_shard
 from dmltrain.evaluation import retrieval_metrics
 from dmltrain.index import (
@@ -41,7 +44,7 @@ from dmltrain.service.cli import main as cli
 from dmltrain.service.config import load_config
 from dmltrain.service.errors import FATAL_IN_LOOP
 from dmltrain.service.serving.publish import register
-from dmltrain.service.serving.pyfunc import log_embedding_model
+from dmltrain.service.serving.pyfunc import BadRequestError, log_embedding_model, request_param
 from dmltrain.service.serving.weights import save_weights
 from dmltrain.service.tracking import ensure_experiment
 
@@ -279,6 +282,51 @@ def test_index_and_search_cli(served: Served, tmp_path: Path, capsys: pytest.Cap
     err = capsys.readouterr().err
     assert f"{corrupt}: cannot decode the image bytes" in err and "object at 0x" not in err, err
 
+    # The index's model must still be the one it was built with (runs:/<id>/model names the newest).
+    meta = json.loads((out / "index.json").read_text())
+    (out / "index.json").write_text(json.dumps({**meta, "model_step": meta["model_step"] + 100}))
+    assert cli(["search", str(out), str(files[0]), "--tracking-uri", served.tracking_uri]) == 2
+    err = capsys.readouterr().err
+    assert f"the index was built with the step-{meta['model_step'] + 100} model of {model}" in err, err
+    (out / "index.json").write_text(json.dumps(meta))
+    # --grid against other shards than the index's: one line, not an IndexError
+    for i in range(4):
+        (tmp_path / "other" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (12, 12), (i * 40, 0, 0)).save(tmp_path / "other" / f"c{i % 2}" / f"{i}.png")
+    prepare("folder", str(tmp_path / "other"), tmp_path / "other_shards", progress=False)
+    grid_args = ["--grid", str(tmp_path / "g.png"), "--data-root", str(tmp_path / "other_shards")]
+    assert cli(["search", str(out), str(files[0]), *grid_args, "--tracking-uri", served.tracking_uri]) == 2
+    assert "is not the data the index was built from" in capsys.readouterr().err
+    # --out: a folder with other files is refused before any embedding; bad numbers at parsing
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    started = time.monotonic()
+    code = cli(
+        [
+            "index",
+            model,
+            str(served.glyphs),
+            "--out",
+            str(tmp_path / "busy"),
+            "--tracking-uri",
+            served.tracking_uri,
+        ]
+    )
+    assert code == 2 and time.monotonic() - started < 30
+    assert (
+        "--out " + str(tmp_path / "busy") + ": a folder with other files (notes.txt)"
+        in capsys.readouterr().err
+    )
+    assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["notes.txt"]
+    for bad in (
+        ["index", model, str(served.glyphs), "--batch-size", "0"],
+        ["serve", str(out), "--port", "70000"],
+    ):
+        with pytest.raises(SystemExit) as parsed:
+            cli(bad)
+        assert parsed.value.code == 2
+    assert "must be a TCP port, 1 to 65535, got 70000" in capsys.readouterr().err
+
 
 def test_search_an_index_logged_to_a_run(
     served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
@@ -396,9 +444,27 @@ def test_index_spec_choice_and_round_trip(tmp_path: Path) -> None:
         assert loaded.ids.row(7) == {"id": 7, "shard": 0, "key": "k7", "class": int(y[7])}
         exact = build_index(x, "flat").search(x[:200], 10)[1]
         assert neighbour_recall(loaded.search(x[:200], 10)[1], exact) >= 0.8
+    # k past the index's size: what exists, without faiss allocating for all of k
+    assert [len(hits) for hits in load_index(tmp_path / "flat").neighbours(x[:2], 2**31)] == [5000, 5000]
     (tmp_path / "hnsw" / "index.faiss").write_bytes(b"\0" * 64)
     with pytest.raises(ValueError, match=r"hnsw/index.faiss: faiss cannot read it"):
         load_index(tmp_path / "hnsw")
+    # A damaged index.json or ids.npz is one line naming the file (a traceback, 'spec', or numpy's
+    # "pickled data" before).
+    ivfpq = tmp_path / "ivfpq"
+    ids_bytes, meta_text = (ivfpq / "ids.npz").read_bytes(), (ivfpq / "index.json").read_text()
+    for name, content, fault in (
+        ("ids.npz", ids_bytes[:300], r"ids.npz: not a readable id map \(BadZipFile"),
+        ("ids.npz", b"hello", r"ids.npz: not a readable id map \(not an .npz archive\)"),
+        ("index.json", b"{bad", r"index.json: not valid JSON"),
+        ("index.json", json.dumps({"format_version": 1, "dim": 32}).encode(), r"index.json: no spec"),
+    ):
+        (ivfpq / name).write_bytes(content)
+        with pytest.raises(ValueError, match=fault):
+            load_index(ivfpq)
+        (ivfpq / "ids.npz").write_bytes(ids_bytes)
+        (ivfpq / "index.json").write_text(meta_text)
+    assert len(load_index(ivfpq).ids) == 5000
     (tmp_path / "flat" / "ids.npz").unlink()
     with pytest.raises(FileNotFoundError, match="ids.npz is missing"):
         load_index(tmp_path / "flat")
@@ -423,6 +489,34 @@ def test_image_inputs_of_every_form() -> None:
         image_tensor(rgb.astype(np.float32))
     with pytest.raises(ValueError, match="cannot decode"):
         image_tensor(b"not an image")
+    # base64 text as bytes (MLflow's `inputs` / `instances` requests hand it over undecoded) and with the
+    # line breaks `base64.encodebytes` and the base64 tool write
+    png = buf.getvalue()
+    assert torch.equal(image_tensor(base64.b64encode(png)), image_tensor(png))
+    assert torch.equal(image_tensor(base64.encodebytes(png).decode()), image_tensor(png))
+    # a server's pixel limit, read from the header before decoding (and for arrays)
+    with pytest.raises(ValueError, match=r"image: 7x9 pixels, over the limit of 62"):
+        image_tensor(png, max_pixels=62)
+    with pytest.raises(ValueError, match=r"q: 7x9 pixels, over the limit of 62"):
+        image_tensor(rgb, "q", max_pixels=62)
+    assert image_tensor(png, max_pixels=63).shape == (3, 9, 7)
+
+
+def test_request_params_are_bounded_integers() -> None:
+    """A k of 2**31 made faiss allocate for it and killed the server; null, 1e20 and 2.5 gave MLflow's
+    generic error with a stack trace."""
+    assert request_param(None, "k", 10, 100) == 10 and request_param({"k": None}, "k", 10, 100) == 10
+    assert request_param({"k": "7"}, "k", 10, 100) == 7 and request_param({"k": 3.0}, "k", 10, 100) == 3
+    for bad, fault in (
+        (0, "k must be from 1 to 100, got 0"),
+        (2**31, "k must be from 1 to 100, got 2147483648"),
+        (1e20, "k must be from 1 to 100"),
+        (2.5, "k must be an integer, got 2.5"),
+        ("many", "k must be an integer, got 'many'"),
+        (float("inf"), "k must be an integer, got inf"),
+    ):
+        with pytest.raises(BadRequestError, match=re.escape(fault)):
+            request_param({"k": bad}, "k", 10, 100)
 
 
 def test_best_tracker_patience_and_state() -> None:
@@ -525,9 +619,7 @@ def test_an_index_served_over_http_returns_what_search_prints(
     run; `mlflow.pyfunc.load_model` on it,
     `dmltrain serve` (MLflow's scoring server, a real HTTP server) and `dmltrain serve --save` all return
     the neighbours `dmltrain search` prints. SIGTERM stops the server's processes and removes its copy."""
-    import base64
     import signal
-    import time
     import urllib.error
     import urllib.request
 
@@ -640,7 +732,23 @@ def test_an_index_served_over_http_returns_what_search_prints(
         # generic message said only that evaluating the model failed; ours was the trace's last line).
         bad = {"dataframe_split": {"columns": ["image"], "data": [[payload[0]], ["bm90IGFuIGltYWdl"]]}}
         zero = {"dataframe_split": {"columns": ["image"], "data": [[payload[0]]]}, "params": {"k": 0}}
-        for request, fault in ((bad, "image 1: cannot decode the image bytes"), (zero, "k must be >= 1")):
+        huge = {"dataframe_split": {"columns": ["image"], "data": [[payload[0]]]}, "params": {"k": 2**31}}
+        empty = {"dataframe_split": {"columns": ["image"], "data": []}}
+        blank = io.BytesIO()
+        Image.new("L", (8000, 7000)).save(blank, format="PNG")  # 56 MP in a small file
+        bomb = {
+            "dataframe_split": {"columns": ["image"], "data": [[base64.b64encode(blank.getvalue()).decode()]]}
+        }
+        # MLflow's other request format hands base64 text over undecoded: answered, not refused
+        inputs = _post(f"http://127.0.0.1:{port}/invocations", {"inputs": [payload[0]], "params": {"k": 4}})
+        assert [p["key"] for p in inputs["predictions"]] == [e[3] for e in expected[:4]]
+        for request, fault in (
+            (bad, "image 1: cannot decode the image bytes"),
+            (zero, "k must be from 1 to 10,000, got 0"),
+            (huge, "k must be from 1 to 10,000, got 2147483648"),
+            (empty, "no images to embed"),
+            (bomb, "image 0: 8000x7000 pixels, over the limit of 50,000,000"),
+        ):
             with pytest.raises(urllib.error.HTTPError) as refused:
                 _post(f"http://127.0.0.1:{port}/invocations", request)
             assert refused.value.code == 400

@@ -23,6 +23,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {value}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -213,8 +220,10 @@ def _register_evaluate(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("model", help=_MODEL_HELP)
     parser.add_argument("data_root", help="directory or URL with dataset.json and shards")
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--max-images", type=int, default=None, help="cap per split for a quick look")
+    parser.add_argument("--batch-size", type=_positive_int, default=128)
+    parser.add_argument(
+        "--max-images", type=_positive_int, default=None, help="cap per split for a quick look"
+    )
     _add_decode_workers(parser)
     parser.add_argument(
         "--index",
@@ -240,7 +249,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
             index=args.index,
             workers=args.workers,
         )
-    except (ValueError, FileNotFoundError, KeyError) as exc:
+    except (ValueError, OSError, KeyError) as exc:  # OSError: missing, unreadable, a folder for a file
         print(f"dmltrain evaluate: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(metrics, indent=2, sort_keys=True))
@@ -260,7 +269,7 @@ def _register_index(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default=None, help="index directory (default: ./index_<dataset>_<split>)")
     parser.add_argument("--kind", choices=["auto", "flat", "ivfpq", "hnsw"], default="auto")
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=_positive_int, default=128)
     _add_decode_workers(parser)
     parser.add_argument(
         "--no-log", action="store_true", help="do not log the index to the model's MLflow run"
@@ -293,7 +302,7 @@ def _run_index(args: argparse.Namespace) -> int:
             search_model=not args.no_search_model,
             register_as=args.register,
         )
-    except (ValueError, FileNotFoundError, KeyError) as exc:
+    except (ValueError, OSError, KeyError) as exc:  # OSError: missing, unreadable, a folder for a file
         print(f"dmltrain index: error: {exc}", file=sys.stderr)
         return 2
     print(
@@ -318,7 +327,7 @@ def _register_search(parser: argparse.ArgumentParser) -> None:
         "index", help="index directory from `dmltrain index` (or runs:/<run_id>/indexes/<name>)"
     )
     parser.add_argument("images", nargs="+", help="query image files (JPEG, PNG, WebP)")
-    parser.add_argument("-k", type=int, default=10, help="neighbours per query")
+    parser.add_argument("-k", type=_positive_int, default=10, help="neighbours per query")
     parser.add_argument("--model", default=None, help="embed queries with this model instead of the index's")
     parser.add_argument("--grid", default=None, help="also write the queries and neighbours to this PNG")
     parser.add_argument(
@@ -340,7 +349,7 @@ def _run_search(args: argparse.Namespace) -> int:
         )
         if args.grid:
             render_grid(stored, results, model, args.grid, args.data_root)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
+    except (ValueError, OSError, KeyError) as exc:  # OSError: missing, unreadable, a folder for a file
         print(f"dmltrain search: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
@@ -374,7 +383,7 @@ def _register_serve(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default=None, help="embed queries with this model instead of the index's")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: all)")
-    parser.add_argument("--port", type=_positive_int, default=5000)
+    parser.add_argument("--port", type=_port, default=5000)
     parser.add_argument("--workers", type=_positive_int, default=1, help="server processes")
     parser.add_argument(
         "--save",
@@ -405,7 +414,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             workers=args.workers,
             tracking_uri=args.tracking_uri,
         )
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as exc:
+    except (ValueError, OSError, KeyError) as exc:
         print(f"dmltrain serve: error: {exc}", file=sys.stderr)
         return 2
 

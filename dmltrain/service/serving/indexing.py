@@ -23,7 +23,15 @@ import torch
 from dmltrain.data import EvalLoader, load_dataset_info
 from dmltrain.data.shards import read_shard
 from dmltrain.data.urls import is_local, local_path
-from dmltrain.index import IdMap, StoredIndex, build_index, choose_spec, load_index, save_index
+from dmltrain.index import (
+    INDEX_FILES,
+    IdMap,
+    StoredIndex,
+    build_index,
+    choose_spec,
+    load_index,
+    save_index,
+)
 from dmltrain.inference import embed_batch, embed_images, image_tensor
 from dmltrain.service.serving.loading import (
     LoadedModel,
@@ -112,6 +120,9 @@ def build_split_index(
         info = load_dataset_info(data_root)
         split = split or default_split(info)
         info.split(split)  # a missing split is an error that lists the splits
+        name = f"{info.name}_{split}"
+        target = Path(out) if out is not None else Path.cwd() / f"index_{name}"
+        check_index_target(target)  # before the minutes of embedding, not after
         started = time.perf_counter()
         if workers is None:
             workers = default_decode_workers(model, batch_size)
@@ -119,8 +130,6 @@ def build_split_index(
         embed_seconds = time.perf_counter() - started
         spec = choose_spec(*embedded.embeddings.shape, kind)  # type: ignore[arg-type]
         built = build_index(embedded.embeddings, spec)
-        name = f"{info.name}_{split}"
-        target = Path(out) if out is not None else Path.cwd() / f"index_{name}"
         present = sorted({int(c) for c in embedded.ids.label})
         meta = {
             "model": model.source,
@@ -140,7 +149,9 @@ def build_split_index(
             from dmltrain.service.tracking import resolve_tracking_uri
 
             tracking = resolve_tracking_uri(tracking_uri)
-            MlflowClient(tracking).log_artifacts(model.run_id, str(target), f"indexes/{name}")
+            client = MlflowClient(tracking)
+            for file in INDEX_FILES:  # the index's own files, whatever else the folder holds
+                client.log_artifact(model.run_id, str(target / file), f"indexes/{name}")
             meta["logged_to"] = f"runs:/{model.run_id}/indexes/{name}"
             if search_model:
                 logged = log_search_model(
@@ -159,6 +170,36 @@ def build_split_index(
         return target, meta
 
 
+def check_index_target(target: Path) -> None:
+    """``dmltrain index --out``: a new or empty folder, or an index directory to rebuild; anything else is
+    refused. A folder's other files would be replaced or, logged to the run, uploaded with the index
+    (``--out .`` beside the default store's ``mlruns/`` copied the store into itself)."""
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise FileExistsError(f"--out {target}: exists and is not a folder")
+    entries = list(target.iterdir())
+    if entries and not (target / "index.json").is_file():
+        shown = ", ".join(sorted(p.name for p in entries)[:5])
+        raise FileExistsError(
+            f"--out {target}: a folder with other files ({shown}{' ...' if len(entries) > 5 else ''}); "
+            "give a new or empty folder, or an index directory to rebuild"
+        )
+
+
+def check_built_with(meta: dict[str, Any], step: int | None, source: str) -> None:
+    """The index's own model must still be the one it was built with: ``runs:/<id>/model`` names the run's
+    newest model (a relaunch that trained further logs a new one) and a file can be replaced, and queries
+    embedded by another model than the gallery's find the wrong neighbours with nothing to show for it."""
+    built = meta.get("model_step")
+    if built is not None and step is not None and int(built) != int(step):
+        raise ValueError(
+            f"the index was built with the step-{built} model of {meta.get('model')}, but {source} is now "
+            f"the step-{step} one (trained further, or replaced): rebuild the index with `dmltrain index`, "
+            "or give --model the model it was built with"
+        )
+
+
 def log_search_model(
     tracking: str, run_id: str, name: str, weights: Path, index_dir: Path, *, step: int
 ) -> Any:
@@ -166,9 +207,10 @@ def log_search_model(
     (`search_model`), so ``mlflow models serve -m runs:/<run_id>/<name>`` serves it; returns MLflow's
     ModelInfo."""
     from dmltrain.service.serving.pyfunc import log_pyfunc
-    from dmltrain.service.serving.search_model import search_parts
+    from dmltrain.service.serving.search_model import index_files_only, search_parts
 
-    return log_pyfunc(tracking, run_id, name, search_parts(weights, index_dir), step=step)
+    with index_files_only(index_dir) as files:
+        return log_pyfunc(tracking, run_id, name, search_parts(weights, files), step=step)
 
 
 @contextlib.contextmanager
@@ -211,6 +253,8 @@ def search_images(
             raise FileNotFoundError(f"image not found: {file}")
         data.append(file.read_bytes())
     model = load_embedding_model(model_ref or stored.meta["model"], tracking_uri)
+    if model_ref is None:
+        check_built_with(stored.meta, model.step, stored.meta["model"])
     embeddings = embed_images(
         model.net,
         data,
@@ -236,11 +280,19 @@ def render_grid(
 
     root = data_root or stored.meta["data_root"]
     info = load_dataset_info(root)
+    mismatch = (
+        f"--data-root {root} is not the data the index was built from ({stored.meta.get('data_root')}, "
+        f"{stored.meta.get('dataset')}/{stored.meta['split']})"
+    )
+    if info.name != stored.meta.get("dataset", info.name) or stored.meta["split"] not in info.splits:
+        raise ValueError(mismatch)
     urls = info.shard_urls(root, stored.meta["split"])
     wanted: dict[int, set[str]] = {}
     for result in results:
         for hit in result.neighbours:
             wanted.setdefault(hit["shard"], set()).add(hit["key"])
+    if max(wanted, default=-1) >= len(urls):
+        raise ValueError(mismatch)
     pictures: dict[tuple[int, str], np.ndarray] = {}
     for shard, keys in wanted.items():
         for sample in read_shard(urls[shard], shard=shard):
@@ -248,6 +300,14 @@ def render_grid(
                 pictures[(shard, sample.key)] = (
                     model.transform(image_tensor(sample.data)).permute(1, 2, 0).numpy()
                 )
+    absent = [
+        f"{key} (shard {shard})"
+        for shard, keys in wanted.items()
+        for key in keys
+        if (shard, key) not in pictures
+    ]
+    if absent:
+        raise ValueError(f"{mismatch}: {len(absent)} neighbour(s) not in its shards, e.g. {absent[0]}")
     k = max((len(r.neighbours) for r in results), default=0)
     neighbours = np.full((len(results), max(k, 1)), -1, dtype=np.int64)
     gallery: dict[int, np.ndarray] = {}

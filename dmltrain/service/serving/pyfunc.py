@@ -30,6 +30,11 @@ from dmltrain.service.mlflow_scope import no_artifact_bars, tracking_uri
 from dmltrain.service.serving.weights import WEIGHTS_FILE, load_weights
 
 WEIGHTS_ARTIFACT = "weights"
+# What one request may ask of a server: images per forward pass, pixels per image (a 519 KB PNG of 13,000 x
+# 13,000 decoded to 507 MB; 50 MP holds a camera's full-size photo), neighbours per query.
+MAX_BATCH_SIZE = 512
+MAX_IMAGE_PIXELS = 50_000_000
+MAX_K = 10_000
 STEP_PARAM = "dmltrain.step"  # the logged model's training step, a param of the LoggedModel
 _MODEL_CODE = Path(__file__).with_name("_model_code.py")
 # What the pyfunc imports at load time (module -> distribution), pinned to the versions it was logged with.
@@ -98,10 +103,16 @@ class EmbeddingModel(mlflow.pyfunc.PythonModel):
 
     # model_input is left unannotated: MLflow would otherwise try to derive a schema from the type hint.
     def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
-        batch_size = request_param(params, "batch_size", 64)
+        batch_size = request_param(params, "batch_size", 64, MAX_BATCH_SIZE)
         try:
             return embed_images(
-                self.net, _images(model_input), self.transform, self.device, batch_size, self.normalize
+                self.net,
+                _images(model_input),
+                self.transform,
+                self.device,
+                batch_size,
+                self.normalize,
+                max_pixels=MAX_IMAGE_PIXELS,
             )
         except ImageInputError as exc:
             raise BadRequestError(str(exc)) from exc
@@ -116,11 +127,20 @@ class BadRequestError(MlflowException, ValueError):
         super().__init__(message, error_code=BAD_REQUEST)
 
 
-def request_param(params: dict[str, Any] | None, name: str, default: int) -> int:
-    """A positive integer parameter of a request (``batch_size``, ``k``), or its default."""
-    value = int((params or {}).get(name, default))
-    if value < 1:
-        raise BadRequestError(f"params: {name} must be >= 1, got {value}")
+def request_param(params: dict[str, Any] | None, name: str, default: int, maximum: int) -> int:
+    """An integer parameter of a request (``batch_size``, ``k``) in 1..``maximum``, or its default (also for
+    null). Bounded: a client's k of 2**31 made faiss allocate for it and killed the server process."""
+    raw = (params or {}).get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+        if value != raw and not (isinstance(raw, str) and raw.strip().lstrip("+-").isdigit()):
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise BadRequestError(f"params: {name} must be an integer, got {raw!r}") from None
+    if not 1 <= value <= maximum:
+        raise BadRequestError(f"params: {name} must be from 1 to {maximum:,}, got {value}")
     return value
 
 

@@ -15,15 +15,25 @@ one from any index directory and serves it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import shutil
+import tempfile
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dmltrain.index import StoredIndex, load_index
-from dmltrain.service.serving.pyfunc import EmbeddingModel, PyfuncParts, embedding_parts, request_param
+from dmltrain.index import INDEX_FILES, StoredIndex, load_index
+from dmltrain.service.serving.pyfunc import (
+    MAX_K,
+    EmbeddingModel,
+    PyfuncParts,
+    embedding_parts,
+    request_param,
+)
 
 INDEX_ARTIFACT = "index"
 COLUMNS = ("query", "rank", "score", "id", "shard", "key", "class", "class_name")
@@ -45,7 +55,7 @@ class SearchModel(EmbeddingModel):
 
     def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
         embeddings = super().predict(context, model_input, params)
-        return neighbours_frame(self.index, embeddings, request_param(params, "k", 10))
+        return neighbours_frame(self.index, embeddings, request_param(params, "k", 10, MAX_K))
 
 
 def neighbours_frame(stored: StoredIndex, embeddings: np.ndarray, k: int) -> Any:
@@ -91,6 +101,19 @@ def _faiss_requirement() -> str:
             return f"faiss-cpu=={version}"
         return "faiss-cpu~=" + ".".join(version.split("+", 1)[0].split(".")[:3])
     return "faiss-cpu"
+
+
+@contextlib.contextmanager
+def index_files_only(index_dir: Path) -> Iterator[Path]:
+    """The index directory as the search model's artifact: itself when it holds only the index's files,
+    else a temporary folder with just those (an artifact is the whole folder, other files and all)."""
+    if {p.name for p in index_dir.iterdir()} <= set(INDEX_FILES):
+        yield index_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="dmltrain-index-") as tmp:
+        for name in INDEX_FILES:
+            shutil.copy2(index_dir / name, Path(tmp) / name)
+        yield Path(tmp)
 
 
 def search_parts(weights_file: str | Path, index_dir: str | Path) -> PyfuncParts:

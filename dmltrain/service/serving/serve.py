@@ -19,10 +19,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from dmltrain.service.serving.indexing import index_directory
+from dmltrain.service.serving.indexing import check_built_with, index_directory
 from dmltrain.service.serving.loading import located
 from dmltrain.service.serving.pyfunc import save_pyfunc
-from dmltrain.service.serving.search_model import search_parts
+from dmltrain.service.serving.search_model import index_files_only, search_parts
 
 
 def save_search_model(
@@ -38,8 +38,14 @@ def save_search_model(
                 f"index not found: {index} (an index directory or runs:/<run_id>/indexes/<name>)"
             )
         meta = load_index(index_dir).meta
-        with located(model or meta["model"], tracking_uri) as (weights, _run_id):
-            save_pyfunc(out, search_parts(weights, index_dir))
+        with (
+            located(model or meta["model"], tracking_uri) as (weights, _run_id),
+            index_files_only(index_dir) as files,
+        ):
+            parts = search_parts(weights, files)
+            if model is None:
+                check_built_with(meta, parts.metadata["dmltrain_step"], meta["model"])
+            save_pyfunc(out, parts)
     return meta
 
 
