@@ -148,6 +148,14 @@ def test_csv_with_categories_and_splits(tmp_path: Path) -> None:
         "animal",
     ]
     assert info.splits["train"].num_samples == 8 and info.splits["test"].num_samples == 4
+    # A class listed under two categories (its samples carried both; class_to_category kept the last)
+    rows[5] = rows[5].replace(",vehicle,", ",animal,")
+    (tmp_path / "list.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(
+        SourceLayoutError,
+        match=r"class 'k0' is in two categories: 'vehicle' \(img/0.jpg\) and 'animal' \(img/4.jpg\)",
+    ):
+        prepare("csv", str(tmp_path / "list.csv"), tmp_path / "out2", progress=False)
 
 
 def test_sop_layout(tmp_path: Path) -> None:

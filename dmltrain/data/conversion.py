@@ -177,12 +177,19 @@ def _label_ids(source: SourceDataset) -> tuple[dict[str, int], dict[str, int]]:
     rank = {s: i for i, s in enumerate(source.split_order)}
     first_split: dict[str, int] = {}
     categories: set[str] = set()
+    category_of: dict[str, tuple[str, str]] = {}  # class -> (category, the item that gave it)
     for item in source.items:
         if item.split not in rank:
             raise ValueError(f"item {item.path} has split {item.split!r}, not in {source.split_order}")
         first_split[item.class_name] = min(first_split.get(item.class_name, 99), rank[item.split])
         if item.category is not None:
             categories.add(item.category)
+            known = category_of.setdefault(item.class_name, (item.category, item.path))
+            if known[0] != item.category:  # one category per class: FastAP's hard sampling draws by it
+                raise SourceLayoutError(
+                    f"class {item.class_name!r} is in two categories: {known[0]!r} ({known[1]}) and "
+                    f"{item.category!r} ({item.path})"
+                )
     classes = sorted(first_split, key=lambda c: (first_split[c], natural_key(c)))
     ordered_categories = sorted(categories, key=natural_key)
     return {c: i for i, c in enumerate(classes)}, {c: i for i, c in enumerate(ordered_categories)}

@@ -26,8 +26,10 @@ def scan_cars(source: Path) -> SourceDataset:
             + (f", missing {unlisted[:5]}" if unlisted else "")
         )
     items = []
+    repeated = {n for n in names if names.count(n) > 1}  # classes are keyed by name: keep two apart
     for rel, class_id in rows:
         name = names[class_id - 1] if class_id - 1 < len(names) else str(class_id)
+        name = f"{name} (class {class_id})" if name in repeated else name
         split = "train" if class_id <= num_classes // 2 else "test"
         items.append(SourceItem(split, name, rel, file=source / rel, meta={"class_id": class_id}))
     return SourceDataset(
