@@ -529,6 +529,16 @@ def test_cars_class_ids_must_run_from_one(tmp_path: Path) -> None:
     (tmp_path / "cars_annos.csv").write_text(text)
     with pytest.raises(SourceLayoutError, match=r"class ids must run 1..N .* found 0..3"):
         prepare("cars", str(tmp_path), tmp_path / "out", progress=False)
+    # Classes are keyed by name: two ids with one name stayed two classes, not one
+    names = ["Audi A4", "BMW M3", "Audi A4", "Ford F150"]
+    for i in range(8):
+        write_image(tmp_path / "car_ims" / f"{i}.jpg", i)
+    text = "relative_im_path,class,class_name\n" + "".join(
+        f"car_ims/{i}.jpg,{i // 2 + 1},{names[i // 2]}\n" for i in range(8)
+    )
+    (tmp_path / "cars_annos.csv").write_text(text)
+    info = prepare("cars", str(tmp_path), tmp_path / "out", progress=False)
+    assert info.class_names == ["Audi A4 (class 1)", "BMW M3", "Audi A4 (class 3)", "Ford F150"]
 
 
 def test_folder_split_folders_beside_image_folders_are_refused(tmp_path: Path) -> None:
