@@ -500,7 +500,7 @@ def _load_ids(path: Path) -> IdMap:
                 raise ValueError(f"{path}: no '{name}' column (a dmltrain id map holds shard, key and label)")
         try:
             columns = {name: _mapped_member(path, f"{name}.npy") for name in ("shard", "key", "label")}
-        except (ValueError, OSError, zipfile.BadZipFile):
+        except (ValueError, OSError, KeyError, zipfile.BadZipFile):  # KeyError: members named otherwise
             try:
                 columns = {name: data[name] for name in ("shard", "key", "label")}
             except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:  # a damaged member

@@ -85,6 +85,8 @@ def _check_pixels(data: bytes, what: str, max_pixels: int | None) -> None:
     try:
         with Image.open(io.BytesIO(data)) as probe:
             width, height = probe.size
+    except Image.DecompressionBombError as exc:  # PIL's own limit, twice its MAX_IMAGE_PIXELS
+        raise ImageInputError(f"{what}: {exc}") from None
     except Exception:  # not an image: decoding says so, naming it
         return
     if width * height > max_pixels:

@@ -547,7 +547,15 @@ def test_folder_split_folders_beside_image_folders_are_refused(tmp_path: Path) -
     write_image(tmp_path / "train" / "a" / "0.png", 0, "PNG")
     write_image(tmp_path / "test" / "b" / "0.png", 1, "PNG")
     write_image(tmp_path / "samples" / "x.png", 2, "PNG")
+    # hidden and archive folders are neither (a layout unzipped on a Mac keeps its split folders)
+    (tmp_path / "__MACOSX" / "train" / "a").mkdir(parents=True)
+    (tmp_path / "__MACOSX" / "train" / "a" / "._0.png").write_bytes(b"\0\5\26\7")
+    write_image(tmp_path / ".thumbnails" / "x.png", 3, "PNG")
     with pytest.raises(
         SourceLayoutError, match=r"split folders \(test/, train/\) beside folders with images \(samples/\)"
     ):
         prepare("folder", str(tmp_path), tmp_path / "out", progress=False)
+    (tmp_path / "samples" / "x.png").unlink()
+    (tmp_path / "samples").rmdir()
+    info = prepare("folder", str(tmp_path), tmp_path / "out", progress=False)
+    assert set(info.splits) == {"train", "test"} and info.class_names == ["a", "b"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dmltrain.models import build_model
-from dmltrain.service.config import ConfigError, ExperimentConfig, load_config
+from dmltrain.service.config import ConfigError, ExperimentConfig, load_config, recall_ks, with_recall_ks
 from dmltrain.service.preflight import check_config, check_data, load_data, short_pieces_note
 
 REPO = Path(__file__).parents[1]
@@ -134,6 +134,26 @@ def test_recall_cut_offs_are_checked_with_the_config() -> None:
     for bad in ("[0]", "[]", "[1,-2]"):
         with pytest.raises(ConfigError, match=r"eval\.ks"):
             _config(f"eval.ks={bad}")
+
+
+def test_unset_recall_cut_offs_are_the_data_sets(glyphs_root: Path) -> None:
+    """A config without eval.ks reported R@1, 2, 4, 8 on SOP (whose papers report 1, 10, 100, 1000, as its
+    dataset.json says): unset, they are the data set's, resolved before the run starts."""
+    unset = _config("eval.ks=null", f"data.root={glyphs_root}", "data.prepare=null")
+    assert unset.eval.ks is None
+    assert with_recall_ks(unset, [1, 10, 100, 1000]).eval.ks == (1, 10, 100, 1000)
+    assert with_recall_ks(_config("eval.ks=[1,5]"), [1, 10]).eval.ks == (1, 5)  # set: kept
+    info = load_data(unset)
+    assert recall_ks(unset, info.recall_ks) == (1, 2, 4, 8)  # the glyphs' own
+    check_data(
+        _config("eval.ks=null", "train.best_metric=eval/test/recall@4", f"data.root={glyphs_root}"), info
+    )
+    refused = _one_line_error(
+        check_data,
+        _config("eval.ks=null", "train.best_metric=eval/test/recall@10", f"data.root={glyphs_root}"),
+        info,
+    )
+    assert "train.best_metric='eval/test/recall@10'" in refused
 
 
 @pytest.mark.parametrize(

@@ -514,6 +514,7 @@ def test_request_params_are_bounded_integers() -> None:
         (2.5, "k must be an integer, got 2.5"),
         ("many", "k must be an integer, got 'many'"),
         (float("inf"), "k must be an integer, got inf"),
+        (True, "k must be an integer, got True"),
     ):
         with pytest.raises(BadRequestError, match=re.escape(fault)):
             request_param({"k": bad}, "k", 10, 100)
@@ -837,3 +838,23 @@ def test_a_loaded_index_is_mapped_and_outlives_a_rebuild_into_its_directory(tmp_
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.strip() in ("mapped", "read")
     assert sorted(p.name for p in (tmp_path / "index").iterdir()) == ["ids.npz", "index.faiss", "index.json"]
+
+
+def test_an_index_target_is_new_empty_or_an_index_directory(tmp_path: Path) -> None:
+    """`dmltrain index --out`: a folder that merely holds an index.json (a web project's) is not an index
+    directory to overwrite."""
+    from dmltrain.service.serving.indexing import check_index_target
+
+    check_index_target(tmp_path / "new")
+    (tmp_path / "empty").mkdir()
+    check_index_target(tmp_path / "empty")
+    web = tmp_path / "web"
+    web.mkdir()
+    (web / "index.json").write_text("{}")
+    with pytest.raises(FileExistsError, match=r"a folder with other files \(index.json\)"):
+        check_index_target(web)
+    (web / "index.faiss").write_bytes(b"")
+    check_index_target(web)  # an index directory: rebuilt in place
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="exists and is not a folder"):
+        check_index_target(tmp_path / "file")

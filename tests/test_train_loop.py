@@ -238,6 +238,9 @@ def test_nan_steps_are_skipped_then_fail_clearly(glyphs_root: Path, tmp_path: Pa
     assert loop.counters.skipped_steps == 3
     # checkpointed: a restart inside a run of skipped steps goes on counting it
     assert loop.counters.state_dict()["consecutive_skips"] == 3
+    restored = type(loop.counters)()
+    restored.load_state_dict(loop.counters.state_dict())
+    assert restored.consecutive_skips == 3
     for key, value in before.items():  # no update reached the weights or the BatchNorm statistics
         torch.testing.assert_close(loop.net.state_dict()[key], value, msg=key, equal_nan=True)
     skipped = MlflowClient(uri).get_metric_history(run_id, "train/skipped_steps")

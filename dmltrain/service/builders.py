@@ -41,7 +41,6 @@ from dmltrain.service.config import (
 )
 
 _FUSED_DEVICES = ("cpu", "cuda")
-_IMPLEMENTATION_FLAGS = ("fused", "foreach")
 
 
 def resolve_preprocessing(config: ExperimentConfig) -> PreprocessConfig:
@@ -127,22 +126,15 @@ def _can_fuse(params: list[torch.Tensor]) -> bool | None:
     return True if all(p.is_floating_point() for p in params) else None
 
 
-def load_optimizer_state(
-    optimizer: torch.optim.Optimizer, state: dict[str, Any], *, keep_settings: bool = True
-) -> None:
-    """Load a checkpointed optimizer state (moments, step counts) but keep this run's settings.
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a checkpointed optimizer state (moments, step counts) but keep this run's group settings.
 
-    torch restores every group setting from the checkpoint: the implementation (fused / foreach; a
-    checkpoint written before fusing would switch the resumed run back to the slow loop) and, unless
-    ``keep_settings`` is False, the hyperparameters (lr, weight decay, momentum, betas), which a
-    ``run.resume=must`` relaunch changes on purpose. The learning rate of the step itself is the
-    scheduler's to set (`restore_schedule`).
+    torch would restore them from the checkpoint: the implementation (fused / foreach; a checkpoint
+    written before fusing would switch the resumed run back to the slow loop) and the hyperparameters (lr,
+    weight decay, momentum, betas), which a ``run.resume=must`` relaunch changes on purpose. The learning
+    rate of the step itself is the scheduler's to set (`restore_schedule`).
     """
-    keep = None if keep_settings else _IMPLEMENTATION_FLAGS
-    current = [
-        {k: v for k, v in g.items() if k != "params" and (keep is None or k in keep)}
-        for g in optimizer.param_groups
-    ]
+    current = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     saved_groups = state.get("param_groups", [])
     if len(saved_groups) == len(current):
         state = {**state, "param_groups": [{**g, **c} for g, c in zip(saved_groups, current, strict=True)]}

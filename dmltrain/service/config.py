@@ -343,7 +343,12 @@ class TrainConfig(_Section):
 
 
 class EvalConfig(_Section):
-    ks: tuple[int, ...] = Field(default=(1, 2, 4, 8), description="Recall@K cut-offs.")
+    ks: tuple[int, ...] | None = Field(
+        default=None,
+        description="Recall@K cut-offs; None = the data set's own (dataset.json recall_ks: SOP 1, 10, 100, "
+        "1000; In-Shop 1, 10, ..., 50; VehicleID 1, 5; iNaturalist 1, 4, 16, 32; else 1, 2, 4, 8), resolved "
+        "before the run starts.",
+    )
     batch_size: int = Field(default=128, ge=1)
     max_images: int | None = Field(
         default=None,
@@ -374,8 +379,8 @@ class EvalConfig(_Section):
 
     @field_validator("ks")
     @classmethod
-    def _positive_ks(cls, ks: tuple[int, ...]) -> tuple[int, ...]:
-        if not ks or min(ks) < 1:
+    def _positive_ks(cls, ks: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if ks is not None and (not ks or min(ks) < 1):
             raise ValueError("Recall@K cut-offs must be one or more positive integers")
         return ks
 
@@ -696,3 +701,17 @@ def flatten(config: ExperimentConfig) -> dict[str, str]:
 def to_yaml(config: ExperimentConfig) -> str:
     """The resolved config as YAML, re-loadable with :func:`load_config`."""
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def recall_ks(config: ExperimentConfig, dataset_ks: Sequence[int]) -> tuple[int, ...]:
+    """The run's Recall@K cut-offs: ``eval.ks``, or when unset the data set's (``dataset.json`` recall_ks)."""
+    return config.eval.ks if config.eval.ks is not None else tuple(dataset_ks)
+
+
+def with_recall_ks(config: ExperimentConfig, dataset_ks: Sequence[int]) -> ExperimentConfig:
+    """``config`` with ``eval.ks`` resolved (`recall_ks`): what MLflow records and every worker reads."""
+    if config.eval.ks is not None:
+        return config
+    return config.model_copy(
+        update={"eval": config.eval.model_copy(update={"ks": recall_ks(config, dataset_ks)})}
+    )

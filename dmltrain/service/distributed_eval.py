@@ -26,6 +26,7 @@ from dmltrain.index import approximate_retrieval_metrics
 from dmltrain.inference import embed_batch
 from dmltrain.models import PreprocessConfig
 from dmltrain.service.builders import resolve_preprocessing
+from dmltrain.service.config import recall_ks
 from dmltrain.service.logs import progress_bar
 
 if TYPE_CHECKING:
@@ -192,19 +193,21 @@ def index_kind(config: ExperimentConfig, gallery_size: int) -> str:
     return kind
 
 
-def _metrics(config: ExperimentConfig, q: EmbeddedSplit, g: EmbeddedSplit | None) -> dict[str, float]:
+def _metrics(
+    config: ExperimentConfig, ks: tuple[int, ...], q: EmbeddedSplit, g: EmbeddedSplit | None
+) -> dict[str, float]:
     """Exact metrics, or k-NN metrics from a faiss index with its recall against exact search."""
     gallery = q if g is None else g
     kind = index_kind(config, len(gallery.labels))
     g_emb, g_lab = (None, None) if g is None else (g.embeddings, g.labels)
     if kind == "exact":
-        return retrieval_metrics(q.embeddings, q.labels, g_emb, g_lab, config.eval.ks)
+        return retrieval_metrics(q.embeddings, q.labels, g_emb, g_lab, ks)
     return approximate_retrieval_metrics(
         q.embeddings,
         q.labels,
         g_emb,
         g_lab,
-        config.eval.ks,
+        ks,
         kind=kind,  # type: ignore[arg-type]
         recall_queries=config.eval.index_recall_queries,
     )
@@ -248,7 +251,7 @@ def evaluate(
         q = embedded[ev.query]
         g = embedded[ev.gallery] if ev.gallery else None
         if rank == 0:
-            result = _metrics(config, q, g)
+            result = _metrics(config, recall_ks(config, info.recall_ks), q, g)
             curves[ev.name] = result
             metrics.update({f"eval/{ev.name}/{k}": v for k, v in result.items()})
     if want_grid:

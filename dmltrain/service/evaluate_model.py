@@ -34,7 +34,14 @@ def evaluate_saved_model(
         workers = default_decode_workers(loaded, batch_size)
     raw = loaded.config.model_dump(mode="json")
     raw["data"] = {**raw["data"], "root": data_root, "prepare": None, "loader_workers": workers}
-    raw["eval"] = {**raw["eval"], "batch_size": batch_size, "max_images": max_images, "grid_queries": 0}
+    # the data set's own Recall@K cut-offs (dataset.json), not the ones of the data the model trained on
+    raw["eval"] = {
+        **raw["eval"],
+        "batch_size": batch_size,
+        "max_images": max_images,
+        "grid_queries": 0,
+        "ks": None,
+    }
     if index is not None:
         raw["eval"]["index"] = index
     config = ExperimentConfig.model_validate(raw)

@@ -40,7 +40,7 @@ from dmltrain.data.urls import is_local, local_path
 from dmltrain.models import MissingExtraError
 from dmltrain.service.best import resolve_best_metric
 from dmltrain.service.builders import check_network, resolve_preprocessing
-from dmltrain.service.config import ConfigError, ExperimentConfig
+from dmltrain.service.config import ConfigError, ExperimentConfig, recall_ks
 from dmltrain.service.tracking import sqlite_store_path
 
 log = logging.getLogger("dmltrain.service.preflight")
@@ -98,7 +98,8 @@ def check_data(config: ExperimentConfig, info: DatasetInfo) -> TrainPlan:
             f"shards whole)"
         )
     try:
-        resolve_best_metric(config.train.best_metric, [e.name for e in info.evaluations], config.eval.ks)
+        names = [e.name for e in info.evaluations]
+        resolve_best_metric(config.train.best_metric, names, recall_ks(config, info.recall_ks))
     except ValueError as error:
         raise ConfigError(str(error)) from None
     try:

@@ -198,8 +198,10 @@ def plan_launch(
             f"this run with them (recorded in MLflow as a new segment)"
         )
     step = existing.checkpoint_step or 0
-    stopping = {k for k in changed if k.startswith("train.early_stopping_") or k == "train.best_metric"}
-    if existing.status == "FINISHED" and existing.early_stopped_at is not None and not stopping:
+    stopping = {k for k in changed if k.startswith(("train.early_stopping_", "train.best_"))}
+    # the tag stays when a later launch trained on; only a run that ended where it stopped is stopped
+    stopped = existing.early_stopped_at is not None and existing.early_stopped_at == existing.checkpoint_step
+    if existing.status == "FINISHED" and stopped and not stopping:
         return LaunchPlan(
             "done",
             changed,

@@ -47,6 +47,7 @@ from dmltrain.service.config import (
     ConfigError,
     ExperimentConfig,
     flatten,
+    with_recall_ks,
 )
 from dmltrain.service.errors import FatalRunError, fatal_cause
 from dmltrain.service.logs import full_tracebacks, print_problems
@@ -388,6 +389,7 @@ def launch(
     config = resolve_paths(config)
     check_outputs(config, tracking_uri)
     info, batch_plan = prepare_data(config)
+    config = with_recall_ks(config, info.recall_ks)  # eval.ks unset: the data set's, recorded as such
     if topology.multi_node:
         problems = check_shared_paths(config, view)
         if problems:

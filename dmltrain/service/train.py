@@ -62,7 +62,7 @@ from dmltrain.service.checkpoints import (
     save_stream_state,
     staging_directory,
 )
-from dmltrain.service.config import KEEP_FREED_MEMORY_ENV, LOADER_PRIORITY_ENV, ExperimentConfig
+from dmltrain.service.config import KEEP_FREED_MEMORY_ENV, LOADER_PRIORITY_ENV, ExperimentConfig, recall_ks
 from dmltrain.service.distributed_eval import EvalImageCache, evaluate
 from dmltrain.service.errors import FATAL_IN_LOOP, FATAL_IN_SETUP, as_fatal
 from dmltrain.service.logs import WORKER_LOGGERS, quiet_ray_reports, setup_logging, shorten_explained_errors
@@ -282,7 +282,8 @@ def seed_step_randomness(seed: int, rank: int, step: int, device: torch.device) 
     drop-path, stochastic depth) then differs between ranks, whose rows would otherwise share masks in
     rank-sized groups, and depends on the step alone, so a resumed run draws what an uninterrupted one would.
     The data's augmentations have their own seeded draws (dmltrain.data)."""
-    value = int(np.random.SeedSequence([seed, rank, step, _MODEL_RANDOMNESS]).generate_state(1)[0])
+    entropy = [seed % 2**64, rank, step, _MODEL_RANDOMNESS]  # SeedSequence takes no negative seed
+    value = int(np.random.SeedSequence(entropy).generate_state(1)[0])
     if device.type == "cuda":
         # A network on the GPU draws its masks from the GPU's generator. The host's is left alone: a
         # prefetch thread may be drawing a batch's crops from it (in-process loader) at this moment.
@@ -368,14 +369,19 @@ class WorkerLoop:
         )
         # On CUDA the next batch is read (into pinned memory: asynchronous chunk copies) while the step runs:
         # by the loader's own join thread when it has one (several loader workers, or data.decode=gpu, which
-        # decodes on the device one step ahead), else by a prefetch thread here.
-        prefetch = self.device.type == "cuda" and not self.stream.joins_ahead
+        # decodes on the device one step ahead), else by a prefetch thread here. Not with no loader process:
+        # the stream then draws its crops from torch's host generator in this process, which the engine
+        # saves and restores around every chunk (dropout replay) from this thread: a thread beside it would
+        # get crops that depend on timing (data.loader_workers=0 is for debugging; it loads in the step).
+        prefetch = self.device.type == "cuda" and not self.stream.joins_ahead and self.stream.num_workers > 0
         self.batches = BatchPrefetcher(self.stream, pin=True) if prefetch else None
         self.autocast = self.precision.autocast_dtype
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.grad_scaling else None
         self.counters = _Counters()
         best_metric = resolve_best_metric(
-            config.train.best_metric, [e.name for e in self.info.evaluations], config.eval.ks
+            config.train.best_metric,
+            [e.name for e in self.info.evaluations],
+            recall_ks(config, self.info.recall_ks),
         )
         self.best = (
             BestTracker(

@@ -28,7 +28,7 @@ def scan_folder(source: Path, test_fraction: float = 0.0, seed: int = 0) -> Sour
     split_dirs = [p for p in subdirs if p.name in SPLIT_NAMES]
     # Published layouts keep metadata folders beside the split folders (VGGFace2's bb_landmark/): those
     # hold no images and are skipped with a note; a folder that does hold images makes the layout ambiguous.
-    others = [p for p in subdirs if p.name not in SPLIT_NAMES]
+    others = [p for p in subdirs if p.name not in SPLIT_NAMES and not _ignored(p)]
     notes = []
     with_images = [p for p in others if _has_images(p)] if split_dirs else []
     if with_images:  # which is it? As classes, train/ would be one class holding every training image
@@ -76,6 +76,11 @@ def scan_folder(source: Path, test_fraction: float = 0.0, seed: int = 0) -> Sour
     )
 
 
+def _ignored(directory: Path) -> bool:
+    """Hidden and archive folders (`.thumbnails/`, macOS's `__MACOSX/`) are never classes nor splits."""
+    return directory.name.startswith(".") or directory.name in NOT_CLASSES
+
+
 def _has_images(directory: Path) -> bool:
     return any(p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES for p in directory.rglob("*"))
 
@@ -87,7 +92,7 @@ def _class_items(directory: Path, split: str, root: Path) -> tuple[list[SourceIt
     ignored_dirs, empty, others = [], [], []
     for class_dir in sorted(p for p in directory.iterdir() if p.is_dir()):
         rel_dir = class_dir.relative_to(root).as_posix()
-        if class_dir.name.startswith(".") or class_dir.name in NOT_CLASSES:
+        if _ignored(class_dir):
             ignored_dirs.append(rel_dir)
             continue
         found = 0

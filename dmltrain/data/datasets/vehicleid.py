@@ -52,7 +52,7 @@ def scan_vehicleid(source: Path) -> SourceDataset:
     items = []
     for split, list_file in lists:
         for image_id, vehicle in _read_pairs(list_file):
-            model = models.get(_number(vehicle, list_file))
+            model = models.get(_number(vehicle, list_file)) if models else None
             items.append(
                 SourceItem(
                     split,

@@ -179,7 +179,7 @@ def check_index_target(target: Path) -> None:
     if not target.is_dir():
         raise FileExistsError(f"--out {target}: exists and is not a folder")
     entries = list(target.iterdir())
-    if entries and not (target / "index.json").is_file():
+    if entries and not ((target / "index.json").is_file() and (target / "index.faiss").is_file()):
         shown = ", ".join(sorted(p.name for p in entries)[:5])
         raise FileExistsError(
             f"--out {target}: a folder with other files ({shown}{' ...' if len(entries) > 5 else ''}); "

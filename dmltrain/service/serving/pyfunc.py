@@ -134,6 +134,8 @@ def request_param(params: dict[str, Any] | None, name: str, default: int, maximu
     if raw is None:
         return default
     try:
+        if isinstance(raw, bool):  # JSON true is no count
+            raise ValueError
         value = int(raw)
         if value != raw and not (isinstance(raw, str) and raw.strip().lstrip("+-").isdigit()):
             raise ValueError

@@ -54,8 +54,8 @@ class SearchModel(EmbeddingModel):
             )
 
     def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
-        embeddings = super().predict(context, model_input, params)
-        return neighbours_frame(self.index, embeddings, request_param(params, "k", 10, MAX_K))
+        k = request_param(params, "k", 10, MAX_K)  # before the images are embedded
+        return neighbours_frame(self.index, super().predict(context, model_input, params), k)
 
 
 def neighbours_frame(stored: StoredIndex, embeddings: np.ndarray, k: int) -> Any:

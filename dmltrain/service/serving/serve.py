@@ -23,6 +23,7 @@ from dmltrain.service.serving.indexing import check_built_with, index_directory
 from dmltrain.service.serving.loading import located
 from dmltrain.service.serving.pyfunc import save_pyfunc
 from dmltrain.service.serving.search_model import index_files_only, search_parts
+from dmltrain.service.serving.weights import load_weights
 
 
 def save_search_model(
@@ -42,10 +43,9 @@ def save_search_model(
             located(model or meta["model"], tracking_uri) as (weights, _run_id),
             index_files_only(index_dir) as files,
         ):
-            parts = search_parts(weights, files)
-            if model is None:
-                check_built_with(meta, parts.metadata["dmltrain_step"], meta["model"])
-            save_pyfunc(out, parts)
+            if model is None:  # the file's own step (None when it has none), as `dmltrain search` reads it
+                check_built_with(meta, load_weights(weights).get("step"), meta["model"])
+            save_pyfunc(out, search_parts(weights, files))
     return meta
 
 
