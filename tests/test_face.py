@@ -126,7 +126,7 @@ def _write_image(path: Path, rng: np.random.Generator, tint: np.ndarray) -> None
     Image.fromarray(pixels).save(path)
 
 
-def test_vggface2_identity_folders_prepare(tmp_path: Path) -> None:
+def test_vggface2_identity_folders_prepare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """VGGFace2 as published: train/ and test/ identity folders beside list files and bb_landmark/."""
     rng = np.random.default_rng(0)
     root = tmp_path / "vggface2"
@@ -146,11 +146,13 @@ def test_vggface2_identity_folders_prepare(tmp_path: Path) -> None:
     assert sorted(info["class_names"]) == ["n000001", "n000002", "n000003", "n000004", "n000009"]
     assert info["evaluations"] == [{"name": "test", "query": "test", "gallery": None}]
     assert any("bb_landmark" in note for note in info["notes"])
-    # A folder of images beside train/ is not silently dropped: the layout is then read as class folders.
+    # A folder of images beside train/ is neither dropped silently nor a reason to read train/ and test/ as
+    # two classes (every training identity merged into one, as it was): the layout is refused, named.
     _write_image(root / "extra" / "x.jpg", rng, np.zeros(3))
-    assert cli_main(["prepare", "folder", str(root), str(tmp_path / "other"), "--quiet"]) == 0
-    other = json.loads((tmp_path / "other" / "dataset.json").read_text())
-    assert sum(v["num_samples"] for v in other["splits"].values()) == 16
+    assert cli_main(["prepare", "folder", str(root), str(tmp_path / "other"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "has split folders (test/, train/) beside folders with images (extra/)" in err, err
+    assert not (tmp_path / "other" / "dataset.json").exists()
 
 
 def test_verify_command_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
