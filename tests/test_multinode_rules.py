@@ -167,6 +167,10 @@ def test_default_config_on_a_multi_node_cluster_is_refused_one_line_per_setting(
         ("http://127.0.0.1:5000", True),
         ("http://localhost:5000", True),
         ("postgresql://u:p@localhost:5432/mlflow", True),
+        ("http://127.0.1.1:5000", True),  # Debian's hostname alias: still this machine
+        ("http://[0:0:0:0:0:0:0:1]:5000", True),
+        ("http://localhost.:5000", True),
+        ("postgresql:///mlflow?host=/var/run/postgresql", True),  # a socket on the driver's node
         ("http://mlflow.dmltrain.svc.cluster.local:5000", False),
         ("https://mlflow.example.com", False),
         ("postgresql://u:p@10.0.0.5:5432/mlflow", False),

@@ -141,7 +141,7 @@ def test_stored_configs_are_compared_key_by_key() -> None:
     changes = config_changes(stored, new)
     assert changes["optim.lr"] == ("0.001", "0.0001") and changes["sampler.removed_key"] == ("1", None)
     assert "<stored config>" in changes
-    assert {"train.steps", "run.resume", "train.checkpoint_every"} <= RESUMABLE_KEYS
+    assert {"train.steps", "run.resume", "train.checkpoint_every", "eval.ks"} <= RESUMABLE_KEYS
     assert not {"optim.lr", "loss.name", "data.root", "train.global_batch_size"} & RESUMABLE_KEYS
 
 

@@ -49,6 +49,41 @@ def test_wall_time_leaves_out_the_idle_time_before_a_relaunch() -> None:
     assert active_seconds(0, 3_700_000 + 65_000, [3_700_000], metrics) == 165.0
     assert active_seconds(0, 120_000, [], metrics[:3]) == 120.0  # one launch: the span
     assert active_seconds(0, None, [], metrics) is None  # never ended
+    # Three launches, the middle one stopped (at 1,030 s) before it logged anything: its gap and the next
+    # one were both measured back to the first launch's last metric (0.0 s in all). Now 100 s + 100 s (the
+    # middle launch, which left no trace of how long it ran, counts as idle).
+    metrics = [0, 100_000, 2_050_000]
+    assert active_seconds(0, 2_100_000, [1_000_000, 2_000_000], metrics) == 200.0
+
+
+def test_a_failed_trial_reports_its_reason() -> None:
+    """Tune hands back a trial's error as the remote traceback: its first 500 characters held a process
+    title and frames, not the reason (the refusal of a live driver, a config error)."""
+    from ray.exceptions import RayTaskError
+
+    from dmltrain.service.sweeps.driver import trial_error
+
+    cause = ConfigError("run.name=s.a is being trained by another driver (vm pid 7, alive 3 s ago)")
+    frames = "".join(f'  File "/x/{i}.py", line {i}, in f{i}\n    g()\n' for i in range(12))
+    text = f"ray::ImplicitFunc.train() (pid=42)\nTraceback (most recent call last):\n{frames}{cause!r}"
+    wrapped = RayTaskError("train", text, cause)
+    for error in (wrapped, wrapped.as_instanceof_cause(), cause):
+        assert trial_error(error) == f"ConfigError: {cause}", error
+
+
+def test_trials_whose_run_names_would_collide_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "s",
+                "base": str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"),
+                "variants": [{"name": "B 64", "overrides": {}}, {"name": "B_64", "overrides": {}}],
+            }
+        )
+    )
+    with pytest.raises(ConfigError, match=r"trials 'B 64' and 'B_64' get the same run.name 's.B_64'"):
+        load_sweep(path)
 
 
 def test_overrides_may_follow_options_on_the_command_line() -> None:

@@ -21,6 +21,7 @@ driver therefore refuses, before any worker starts and with one line per setting
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
 import os
 import uuid
@@ -174,9 +175,21 @@ def _tracking_problem(uri: str) -> str | None:
     scheme = parsed.scheme.lower()
     if scheme in _FILE_SCHEMES or len(scheme) == 1:  # one letter: a Windows drive
         return "is a file on the driver's node, which rank 0 on another node cannot open"
-    if (parsed.hostname or "").lower() in _LOOPBACK:
+    host = (parsed.hostname or "").lower().rstrip(".")
+    if host in _LOOPBACK or _is_loopback_address(host):
         return "is a server on the driver's loopback interface, which other nodes cannot reach"
+    if not host and "://" in uri:  # postgresql:///db?host=/var/run/postgresql: a socket on this node
+        return "names no host (a local socket on the driver's node), which other nodes cannot reach"
     return None
+
+
+def _is_loopback_address(host: str) -> bool:
+    """127.0.0.0/8 (Debian's 127.0.1.1 hostname alias too), ::1 in any spelling, 0.0.0.0."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_unspecified
 
 
 def _path_problem(value: str | None) -> str | None:

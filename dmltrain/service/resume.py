@@ -43,6 +43,7 @@ RESUMABLE_KEYS = frozenset(
         "train.chunk_size",
         "train.profile_start",
         "train.profile_steps",
+        "eval.ks",  # only what is reported (an unset one is now the data set's own)
         "eval.batch_size",
         "eval.grid_queries",
         "eval.cache_mb",

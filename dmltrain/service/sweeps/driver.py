@@ -270,7 +270,9 @@ def _unfinished(
     out = {}
     for label in labels:
         run = runs.get(label)
-        if run is not None and run.status == "RUNNING":
+        # A trial that failed here left its run to whoever holds it: refused because another driver trains
+        # it (the same sweep submitted twice), that run is live, not KILLED.
+        if run is not None and run.status == "RUNNING" and label not in failed:
             set_run_status(tracking_uri, run.run_id, "KILLED")
             run.status = "KILLED"
         if label not in failed and (run is None or run.status != "FINISHED"):
@@ -342,5 +344,26 @@ def _tune(
     for result in grid:
         if result.error is not None:
             label = str((result.config or {}).get("trial", "?"))
-            failed[label] = " ".join(str(result.error).split())[:500]
+            failed[label] = trial_error(result.error)
     return failed
+
+
+def trial_error(error: BaseException) -> str:
+    """The line that says why a trial failed. Tune hands back the worker's error wrapped (a RayTaskError
+    whose text is the whole remote traceback: process title, Tune's and dmltrain's frames, the message on
+    the last line), so the first 500 characters of it held no reason at all."""
+    for _ in range(8):  # the innermost cause
+        inner = getattr(error, "cause", None) or error.__cause__
+        if not isinstance(inner, BaseException) or inner is error:
+            break
+        error = inner
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    text = lines[-1] if "Traceback" in str(error) else lines[0]
+    named = (
+        text
+        if text.startswith(type(error).__name__) or "Traceback" in str(error)
+        else f"{type(error).__name__}: {text}"
+    )
+    return " ".join(named.split())[:500]

@@ -177,4 +177,12 @@ def load_sweep(
             data.setdefault("mlflow", {})["experiment"] = spec.experiment
         config = config_from_dict(data, f"of sweep {spec.name}, trial {label!r} (base {base_path})")
         trials.append(Trial(label, overrides, config))
+    names: dict[str, str] = {}
+    for trial in trials:  # labels differ, but their run.name slugs may not ("B 64" and "B_64")
+        other = names.setdefault(trial.config.run.name, trial.label)
+        if other != trial.label:
+            raise ConfigError(
+                f"sweep {spec.name}: trials {other!r} and {trial.label!r} get the same run.name "
+                f"{trial.config.run.name!r}; give their variants names that differ in letters or digits"
+            )
     return Sweep(spec, source, base_raw, tuple(trials))

@@ -147,9 +147,13 @@ def active_seconds(
     if start_ms is None or end_ms is None:  # a run that never ended has no wall time yet
         return None
     total = end_ms - start_ms
-    for relaunch in relaunches_ms:
+    previous = start_ms
+    for relaunch in sorted(relaunches_ms):
         before = [t for t in metric_times_ms if t < relaunch]
-        total -= relaunch - max(before, default=start_ms)
+        # from the later of the last metric and the previous relaunch: a launch stopped before it logged
+        # anything must not have its gap counted again from an older metric
+        total -= relaunch - max(max(before, default=start_ms), previous)
+        previous = relaunch
     return max(total, 0) / 1000
 
 
