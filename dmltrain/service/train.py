@@ -285,8 +285,8 @@ def seed_step_randomness(seed: int, rank: int, step: int, device: torch.device) 
     entropy = [seed % 2**64, rank, step, _MODEL_RANDOMNESS]  # SeedSequence takes no negative seed
     value = int(np.random.SeedSequence(entropy).generate_state(1)[0])
     if device.type == "cuda":
-        # A network on the GPU draws its masks from the GPU's generator. The host's is left alone: a
-        # prefetch thread may be drawing a batch's crops from it (in-process loader) at this moment.
+        # A network on the GPU draws its masks from the GPU's generator. The host's is left to the data
+        # (an in-process loader seeds it per part) and to the engine's replay of it around each chunk.
         with torch.cuda.device(device):
             torch.cuda.manual_seed(value)
     else:  # the host's generator, which an in-process loader uses only inside this thread's own steps
