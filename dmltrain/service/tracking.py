@@ -201,13 +201,13 @@ def wait_out_a_silent_driver(
         time.time() - first[0],
         stale_after - (time.time() - first[0]),
     )
-    while True:
+    client = MlflowClient(tracking_uri)
+    while True:  # polled by the run's status and tags alone; the whole record (its config) once, at the end
         time.sleep(poll)
-        found = find_run(tracking_uri, experiment, key)
-        if found is None or found.status != "RUNNING" or found.heartbeat is None or found.heartbeat != first:
-            return found
-        if time.time() - first[0] >= stale_after:
-            return found
+        run = client.get_run(existing.run_id)
+        beat = _parse_heartbeat(run.data.tags.get(HEARTBEAT_TAG, ""))
+        if run.info.status != "RUNNING" or beat != first or time.time() - first[0] >= stale_after:
+            return find_run(tracking_uri, experiment, key)
 
 
 class DriverHeartbeat:
