@@ -40,9 +40,15 @@ def image_tensor(image: Any, what: str = "image", max_pixels: int | None = None)
             raise ImageInputError(f"{what}: a string must be base64-encoded image bytes")
     if isinstance(image, bytes | bytearray | memoryview):
         data = bytes(image)
-        if _image_format(data) is None:  # base64 text that arrived as bytes (MLflow's inputs / instances)
-            data = _from_base64(data) or data
-        _check_pixels(data, what, max_pixels)
+        size = _header_size(data, what, max_pixels)
+        if (
+            size is None
+        ):  # no image PIL knows: base64 text that arrived as bytes (MLflow's inputs / instances)
+            decoded = _from_base64(data)
+            if decoded:
+                data, size = decoded, _header_size(decoded, what, max_pixels)
+        if max_pixels is not None and size is not None and size[0] * size[1] > max_pixels:
+            raise ImageInputError(f"{what}: {size[0]}x{size[1]} pixels, over the limit of {max_pixels:,}")
         try:
             return decode(data)
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
@@ -69,28 +75,19 @@ def _from_base64(text: bytes) -> bytes | None:
         return None
 
 
-def _image_format(data: bytes) -> str | None:
-    """The format PIL recognises in ``data``'s header, None when it recognises none."""
+def _header_size(data: bytes, what: str, max_pixels: int | None) -> tuple[int, int] | None:
+    """(width, height) from the header PIL recognises in ``data``, before any decoding; None when it
+    recognises none (decoding then says what is wrong, naming the image). Over PIL's own limit (twice its
+    MAX_IMAGE_PIXELS) PIL refuses even the header: an ImageInputError when a server limit is set."""
     try:
         with Image.open(io.BytesIO(data)) as probe:
-            return probe.format
+            return probe.size
+    except Image.DecompressionBombError as exc:
+        if max_pixels is not None:
+            raise ImageInputError(f"{what}: {exc}") from None
+        return None
     except Exception:  # UnidentifiedImageError, and whatever a damaged header raises
         return None
-
-
-def _check_pixels(data: bytes, what: str, max_pixels: int | None) -> None:
-    """Refuse an image over ``max_pixels`` from its header, before decoding it."""
-    if max_pixels is None:
-        return
-    try:
-        with Image.open(io.BytesIO(data)) as probe:
-            width, height = probe.size
-    except Image.DecompressionBombError as exc:  # PIL's own limit, twice its MAX_IMAGE_PIXELS
-        raise ImageInputError(f"{what}: {exc}") from None
-    except Exception:  # not an image: decoding says so, naming it
-        return
-    if width * height > max_pixels:
-        raise ImageInputError(f"{what}: {width}x{height} pixels, over the limit of {max_pixels:,}")
 
 
 @torch.no_grad()
