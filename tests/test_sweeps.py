@@ -176,6 +176,27 @@ def test_concurrency_follows_the_cluster(tmp_path: Path) -> None:
     assert concurrent_trials(trials, {"CPU": 0}, {"CPU": 64}, [gib] * 3, None) == 3  # /dev/shm unknown
 
 
+def test_a_trial_the_local_cluster_cannot_hold_is_refused_before_ray_starts(tmp_path: Path) -> None:
+    """Only the first trial's workers were counted against the machine before Ray started: a later one
+    asking for more CPUs than it has failed inside Tune, after the baselines and earlier trials had run
+    (120 s here), and a trial's own launch does not count the CPUs its Tune trial holds."""
+    import ray
+
+    cpus = os.cpu_count() or 1
+    grid = {"scaling.num_workers": [1], "scaling.cpus_per_worker": [1, cpus + 1]}
+    sweep = load_sweep(_write(tmp_path / "s.yaml", _spec(grid=grid)))
+    with pytest.raises(
+        ConfigError, match=rf"sweep t, trial '.*cpus_per_worker={cpus + 1}': scaling.num_workers="
+    ):
+        run_sweep(sweep)
+    # The trial's driver counts too when the sweep gives it CPUs.
+    one = {"scaling.num_workers": 1, "scaling.cpus_per_worker": cpus, "train.steps": 2}
+    sweep = load_sweep(_write(tmp_path / "d.yaml", _spec(overrides=one, trial_resources={"CPU": 1})))
+    with pytest.raises(ConfigError, match=r"\+ 1 for the trial's driver \(trial_resources\)"):
+        run_sweep(sweep)
+    assert not ray.is_initialized()
+
+
 @pytest.mark.service
 def test_two_trial_sweep_nests_child_runs_under_one_parent(
     ray_cluster, glyphs_root: Path, tmp_path: Path

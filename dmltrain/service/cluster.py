@@ -128,7 +128,11 @@ def decide_topology(setting: str, view: ClusterView) -> Topology:
 
 
 def local_capacity_problem(
-    config: ExperimentConfig, view: ClusterView, machine_cpus: int, machine_gpus: int | None = None
+    config: ExperimentConfig,
+    view: ClusterView,
+    machine_cpus: int,
+    machine_gpus: int | None = None,
+    driver_cpus: float = 0.0,
 ) -> str | None:
     """One line when the workers ask for more CPUs (or GPUs: ``scaling.use_gpu=true``, or ``auto`` on a
     cluster with a GPU, which the run would then train on) than a single-node cluster has, else None.
@@ -136,18 +140,20 @@ def local_capacity_problem(
     Ray would otherwise wait for resources that never come. Only a cluster that cannot grow is checked:
     the local one this driver starts (this machine's CPUs and GPUs; `machine_gpus` None: not counted) or an
     in-process one; an attached cluster may autoscale, so its current nodes say nothing about what fits.
+    ``driver_cpus``: what the process driving the workers holds besides them (a sweep's Tune trial).
     """
     if view.attached:
         return None
     scaling = config.scaling
     cpus = sum(node.cpus for node in view.nodes) if view.nodes else float(machine_cpus)
     need = scaling.num_workers * scaling.cpus_per_worker
-    if need > cpus:
+    if need + driver_cpus > cpus:
+        driver = f" + {driver_cpus:g} for the trial's driver (trial_resources)" if driver_cpus else ""
         return (
             f"scaling.num_workers={scaling.num_workers} x scaling.cpus_per_worker="
-            f"{scaling.cpus_per_worker:g} = {need:g} CPUs, but the single-node Ray cluster of this run has "
-            f"{cpus:g}: lower scaling.cpus_per_worker (torch threads follow it unless scaling.torch_threads "
-            "is set) or scaling.num_workers"
+            f"{scaling.cpus_per_worker:g} = {need:g} CPUs{driver}, but the single-node Ray cluster of this "
+            f"run has {cpus:g}: lower scaling.cpus_per_worker (torch threads follow it unless "
+            "scaling.torch_threads is set) or scaling.num_workers"
         )
     gpus = view.gpus if view.nodes else machine_gpus
     if gpus is None or scaling.num_workers <= gpus:

@@ -29,7 +29,12 @@ from typing import Any
 import yaml
 
 from dmltrain.data.shared_memory import amount, shared_memory_problem, shared_memory_size
-from dmltrain.service.cluster import check_shared_paths, decide_topology, storage_problems
+from dmltrain.service.cluster import (
+    check_shared_paths,
+    decide_topology,
+    local_capacity_problem,
+    storage_problems,
+)
 from dmltrain.service.config import ConfigError, ExperimentConfig
 from dmltrain.service.logs import drop_notice
 from dmltrain.service.preflight import (
@@ -40,7 +45,7 @@ from dmltrain.service.preflight import (
     load_data,
     shared_memory_config_need,
 )
-from dmltrain.service.run import check_cluster, connect_ray, resolve_paths
+from dmltrain.service.run import check_cluster, connect_ray, local_node_cpus, local_node_gpus, resolve_paths
 from dmltrain.service.sweeps.spec import Sweep, Trial
 from dmltrain.service.sweeps.summary import TrialResult, collect, log_summary, order, summary_markdown
 from dmltrain.service.sweeps.trial import BASELINE_TAG, SWEEP_KEY_TAG, SWEEP_TAG, child_tags, run_trial
@@ -89,11 +94,22 @@ def _check_trials(sweep: Sweep) -> CheckedSweep:
     tracking_uri = resolve_tracking_uri(trials[0].config.mlflow.tracking_uri)
     is_default = not (trials[0].config.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
     view = check_cluster(trials[0].config, tracking_uri, is_default)
-    for trial in trials[1:]:
+    driver_cpus = sweep.spec.trial_resources.get("CPU", sweep.spec.trial_resources.get("cpu", 0.0))
+    for trial in trials:
+        # Each trial alone must fit a cluster that cannot grow, its driver's trial_resources included: a
+        # trial's own launch refuses it too, but only after Ray, the baselines and the trials before it ran,
+        # and without the CPUs its Tune trial holds.
         topology = decide_topology(trial.config.scaling.topology, view)
         problems = storage_problems(trial.config, tracking_uri, is_default, topology)
+        capacity = local_capacity_problem(
+            trial.config, view, local_node_cpus(), local_node_gpus(), driver_cpus=driver_cpus
+        )
+        if capacity and not topology.multi_node:
+            problems.append(capacity)
         if problems:
-            raise ConfigError("\n".join(f"trial {trial.label!r}: {p}" for p in problems))
+            raise ConfigError(
+                "\n".join(f"sweep {sweep.spec.name}, trial {trial.label!r}: {p}" for p in problems)
+            )
     topology = decide_topology(trials[0].config.scaling.topology, view)
     setting = "multi-node" if topology.multi_node else "single-node"
     resolved, infos, shared = [], {}, {}
