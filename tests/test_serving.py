@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -376,6 +377,16 @@ def test_search_an_index_logged_to_a_run(
     err = capsys.readouterr().err
     assert f"{logged}: no MLflow store at {elsewhere / 'mlflow.db'} (run from the folder" in err, err
     assert list(elsewhere.iterdir()) == []
+    # A tracking server that is down: MLflow's client retried the refused connection for 4 minutes.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    assert cli(["search", logged, str(query), "--tracking-uri", down]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        f"dmltrain search: error: {logged}: the MLflow store at {down} cannot be used: cannot connect to "
+        f"127.0.0.1:{down.rsplit(':', 1)[1]} (Connection refused)"
+    ), err
 
 
 def test_a_file_that_is_not_a_model_is_one_line(

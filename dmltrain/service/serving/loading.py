@@ -129,6 +129,13 @@ def _download(ref: str, tracking_uri: str | None, directory: str) -> Path:
             f"{ref}: no MLflow store at {store} (run from the folder that holds it, or give --tracking-uri "
             "or $MLFLOW_TRACKING_URI)"
         )
+    if store is None:
+        # MLflow's client retries a server that refuses or does not answer for minutes, silently.
+        from dmltrain.service.preflight import tracking_problem
+
+        problem = tracking_problem(uri)
+        if problem:
+            raise ConnectionError(f"{ref}: the MLflow store at {uri} cannot be used: {problem}")
     try:
         # The logged-model lookup behind runs:/ reads the process-wide URI, not the argument.
         with tracking_uri_block(uri), no_artifact_bars(is_local_store(uri)):
