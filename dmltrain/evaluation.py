@@ -47,6 +47,7 @@ __all__ = [
 
 # A block of similarities holds at most this many float32 values (256 MiB); the query chunk is sized from it.
 _BLOCK_ELEMENTS = 1 << 26
+_BLOCK_ROWS = 16  # query rows of a block are a multiple of this (ties: see _iter_ranks)
 # Counting by sorting the candidates costs about this many comparison passes per candidate (measured on CPU).
 _SORT_PASSES = 16.0
 # Comparison passes run over row slabs of about this many values (1 MiB of float32: stays in L2 cache).
@@ -250,11 +251,17 @@ def _iter_ranks(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     gt = g.T.contiguous() if g.device.type != "cpu" else g.T
-    block = torch.empty((min(chunk_size, len(valid)), n_g), dtype=torch.float32, device=g.device)
+    # Every block is a product of a multiple of _BLOCK_ROWS query rows (padded with its last query): on the
+    # CPU, products of fewer than 12 rows that are not a multiple of 4 take kernels that gave identical
+    # gallery items similarities one bit apart, so exact duplicates stopped tying and the tie rule failed
+    # for them (the last block of 4097 queries, or a small chunk_size).
+    rows = -(-min(chunk_size, len(valid)) // _BLOCK_ROWS) * _BLOCK_ROWS
+    block = torch.empty((rows, n_g), dtype=torch.float32, device=g.device)
     for lo in range(0, len(valid), chunk_size):
         qi = valid[lo : lo + chunk_size]
         b = len(qi)
-        s_t = torch.mm(q[torch.as_tensor(qi, device=q.device)], gt, out=block[:b])
+        padded = np.pad(qi, (0, -(-b // _BLOCK_ROWS) * _BLOCK_ROWS - b), mode="edge")
+        s_t = torch.mm(q[torch.as_tensor(padded, device=q.device)], gt, out=block[: len(padded)])[:b]
         rp = num_pos[qi]
         w = int(count[q_cls[qi]].max())  # gathered width: the whole class (self included in leave-one-out)
         offs = np.arange(w)
@@ -385,8 +392,9 @@ def retrieval_metrics(
     ``r_precision``, ``num_queries`` (queries averaged over) and ``num_queries_without_positive``
     (excluded from the means). Ties are ranked pessimistically (see the module docstring). Inputs are
     torch tensors or numpy arrays; computation is float32 on ``device`` (default: CUDA when available),
-    ``chunk_size`` queries at a time (default: blocks of ~256 MiB), and the result does not depend on it
-    beyond float rounding (a block's shape can change a similarity's last bit, and so whether two items tie).
+    ``chunk_size`` queries at a time (default: blocks of ~256 MiB, at least 16 rows), and the result does
+    not depend on it beyond float rounding (a block's shape can change a similarity's last bit, and so
+    whether two nearly equal items tie; exact duplicates always tie).
     """
     return _retrieval_metrics(
         query_embeddings, query_labels, gallery_embeddings, gallery_labels, ks, chunk_size, device, "auto"

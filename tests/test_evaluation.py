@@ -178,6 +178,27 @@ def test_ties_are_resolved_pessimistically():
     assert res["map"] == pytest.approx((1 / 2 + 2 / 3) / 2)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 1, 3, 5])
+def test_exact_duplicates_tie_in_every_block_shape(chunk_size: int | None) -> None:
+    """A query's copy among the negatives ties with its copy among the positives whatever block computes
+    it: a last block of one row (4,097 queries) or small blocks took CPU kernels that put the two one bit
+    apart, and the positive often won the tie."""
+    rng = np.random.default_rng(0)
+    misses = 0
+    for _ in range(6):
+        v = rng.standard_normal(64).astype(np.float32)
+        g = rng.standard_normal((4098, 64)).astype(np.float32)
+        g_labels = rng.integers(2, 50, len(g))
+        g[0], g_labels[0] = v, 1  # a negative copy early in the gallery
+        g[-1], g_labels[-1] = v, 0  # the positive copy in its last column
+        n = 4097 if chunk_size is None else 64
+        res = retrieval_metrics(
+            np.tile(v, (n, 1)), np.zeros(n, int), g, g_labels, ks=(1, 2), chunk_size=chunk_size
+        )
+        misses += res["recall@1"] != 0.0 or res["recall@2"] != 1.0
+    assert misses == 0
+
+
 def test_collapsed_embedding_scores_zero_recall_at_1():
     y = np.repeat(np.arange(10), 4)  # 40 items, 3 positives and 36 negatives per query
     res = retrieval_metrics(np.ones((40, 8)), y, ks=(1, 36, 37))
