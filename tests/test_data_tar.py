@@ -9,6 +9,7 @@ import functools
 import gzip
 import http.server
 import io
+import json
 import re
 import shutil
 import subprocess
@@ -309,6 +310,79 @@ def test_loaders_report_a_damaged_shard_by_name(prepared: Path, tmp_path: Path) 
         ValueError, match=re.escape(f"sample {entries[0].key!r} of shard {url}: cannot decode")
     ):
         list(EvalLoader(tmp_path / "out", "train", 4, rank=0, world_size=1, image_size=8))
+
+
+def test_a_shard_with_more_samples_or_other_labels_than_listed_is_named(
+    prepared: Path, tmp_path: Path
+) -> None:
+    """An evaluation read a listed number of samples and stopped: a shard holding more lost the rest
+    silently; a label outside the shard's listed classes became a class of one image, never trained."""
+    shutil.copytree(prepared, tmp_path / "out")
+    root = tmp_path / "out"
+    info = load_dataset_info(root)
+    url = info.shard_urls(root, "train")[0]
+    n = info.split("train").shards[0].num_samples
+    entries = [ShardEntry(s.key, s.data, "png", s.cls, s.category, {}) for s in read_shard(url)]
+    write_shard(url, [*entries, ShardEntry("extra", entries[-1].data, "png", entries[-1].cls, 0, {})])
+    with pytest.raises(
+        ShardError, match=re.escape(f"{url}: holds {n + 1} samples but dataset.json lists {n}")
+    ):
+        list(EvalLoader(root, "train", 4, rank=0, world_size=1, image_size=8))
+    # A capped evaluation reads only its first images, as before.
+    assert sum(len(b[3]) for b in EvalLoader(root, "train", 4, image_size=8, max_images=3)) == 3
+    listed = dict(info.split("train").shards[0].class_counts)
+    own = entries[-1].cls
+    other = next(c for c in listed if c != own)
+    first = min(own, other)  # the first class whose count differs is named
+    held = listed[first] + (1 if first == other else -1)
+    for wrong, message in (
+        (
+            99_999,
+            f"sample {entries[-1].key!r} has class 99999, which dataset.json does not list for this shard",
+        ),
+        (other, f"holds {held} images of class {first} but dataset.json lists {listed[first]}"),
+    ):
+        write_shard(url, [*entries[:-1], ShardEntry(entries[-1].key, entries[-1].data, "png", wrong, 0, {})])
+        with pytest.raises(ShardError, match=re.escape(f"{url}: {message}")):
+            list(EvalLoader(root, "train", 4, rank=0, world_size=1, image_size=8))
+        loader = TrainLoader(root, 4, {"name": "pk"}, rank=0, world_size=1, num_workers=0, image_size=8)
+        with pytest.raises(ShardError, match=re.escape(f"{url}: {message}")):
+            for _ in range(12):  # two passes over the shards
+                loader.next_batch()
+
+
+def test_dataset_json_totals_and_ids_must_agree(prepared: Path, tmp_path: Path) -> None:
+    """Totals and ids were trusted: a split's steps per epoch, the batch plan and the category of a
+    negative class id were built on numbers no shard held."""
+    raw = json.loads((prepared / "dataset.json").read_text())
+    shard = raw["splits"]["train"]["shards"][0]
+    cases = [
+        (
+            ("splits", "train", "num_samples"),
+            100_000,
+            "split 'train': its shards hold 24 samples, num_samples is",
+        ),
+        (("splits", "train", "num_classes"), 3, "split 'train': its shards list 4 classes, num_classes is 3"),
+        (("class_to_category",), [0], "class_to_category has 1 entries for 4 classes"),
+    ]
+    for path, value, message in cases:
+        changed = json.loads(json.dumps(raw))
+        target = changed
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        (tmp_path / "dataset.json").write_text(json.dumps(changed))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_dataset_info(tmp_path)
+    for counts, message in (
+        ([[c, n * 3] for c, n in shard["class_counts"]], "class_counts add up to"),
+        ([[-3, 1], *shard["class_counts"][1:]], "class_counts names class -3, outside 0..3"),
+    ):
+        changed = json.loads(json.dumps(raw))
+        changed["splits"]["train"]["shards"][0]["class_counts"] = counts
+        (tmp_path / "dataset.json").write_text(json.dumps(changed))
+        with pytest.raises(ValueError, match=re.escape(f"shard {shard['name']!r}: {message}")):
+            load_dataset_info(tmp_path)
 
 
 @pytest.mark.parametrize("workers", [0, 1])

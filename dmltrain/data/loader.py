@@ -47,7 +47,7 @@ from dmltrain.data.device_decode import (
 )
 from dmltrain.data.device_memory import DecodeMemoryError
 from dmltrain.data.errors import SampleError, unusable_sample
-from dmltrain.data.metadata import DatasetInfo, load_dataset_info
+from dmltrain.data.metadata import DatasetInfo, ShardInfo, load_dataset_info
 from dmltrain.data.plan import TrainPlan
 from dmltrain.data.sampling import Batcher, PoolBatcher, ReservoirBatcher, SamplerSpec, TripletBatcher
 from dmltrain.data.shards import Sample, read_shard
@@ -230,7 +230,9 @@ class TrainStream(IterableDataset):
         cache = None
         if self.cache_bytes > 0:
             cache = ShardCache(self.cache_bytes, held.images, self.plan.name(consumer))
-        stream = GroupStream(self.urls, held.shards, seed, consumer, self.plan.shard_samples, cache)
+        stream = GroupStream(
+            self.urls, held.shards, seed, consumer, self.plan.shard_samples, cache, self.plan.shard_classes
+        )
         batcher = self._batcher(stream, consumer)
         slots = None
         if info is not None and self.released is not None:
@@ -647,13 +649,13 @@ class TrainLoader:
 class EvalStream(IterableDataset):
     def __init__(
         self,
-        urls: list[tuple[int, str, int, int]],
+        urls: list[tuple[int, str, ShardInfo, int]],
         batch_size: int,
         transform: Transform,
         with_shards: bool = False,
     ) -> None:
-        """`urls`: (shard index, url, samples dataset.json lists, samples to read: its first ones) of each
-        shard this rank reads."""
+        """`urls`: (shard index, url, what dataset.json lists for it, samples to read: its first ones) of
+        each shard this rank reads."""
         super().__init__()
         self.urls, self.batch_size, self.transform = urls, batch_size, transform
         self.with_shards = with_shards
@@ -666,8 +668,13 @@ class EvalStream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         batch: list[Sample] = []
-        for shard, url, expected, take in self.urls[worker::workers]:
-            for sample in itertools.islice(read_shard(url, shard=shard, expected=expected), take):
+        for shard, url, listed, take in self.urls[worker::workers]:
+            samples = read_shard(
+                url, shard=shard, expected=listed.num_samples, class_counts=listed.class_counts
+            )
+            # A shard read whole is read to its end: its count checks run there (a shard holding more
+            # samples than listed lost the rest silently).
+            for sample in samples if take == listed.num_samples else itertools.islice(samples, take):
                 batch.append(sample)
                 if len(batch) == self.batch_size:
                     yield self._emit(batch)
@@ -728,7 +735,7 @@ class EvalLoader:
             if left == 0:
                 break
             take = min(shards[i].num_samples, left)
-            self._urls.append((i, urls[i], shards[i].num_samples, take))
+            self._urls.append((i, urls[i], shards[i], take))
             left -= take
 
     def __len__(self) -> int:

@@ -7,9 +7,10 @@ fault instead of producing a silently wrong sampling plan.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dmltrain.data.errors import first_few
 from dmltrain.data.urls import join_url, read_bytes
@@ -81,6 +82,15 @@ class DatasetInfo(_Model):
     skipped: list[SkippedFile] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
 
+    @model_validator(mode="after")
+    def _consistent(self) -> DatasetInfo:
+        """Totals and ids that disagree were trusted: a split's steps per epoch, batch plans and category
+        lookups built on them, and a sample whose class no shard lists was never trained."""
+        problems = inconsistencies(self)
+        if problems:
+            raise ValueError(first_few(problems, 3, sep="; "))
+        return self
+
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
@@ -104,6 +114,67 @@ class DatasetInfo(_Model):
         return [join_url(str(root), s.name) for s in self.split(split).shards]
 
 
+def inconsistencies(info: DatasetInfo) -> list[str]:
+    """Where ``info``'s totals and ids disagree with each other, one phrase each."""
+    out = []
+    classes, categories = len(info.class_names), len(info.category_names)
+    if len(info.class_to_category) != classes:
+        out.append(f"class_to_category has {len(info.class_to_category)} entries for {classes} classes")
+    if any(not -1 <= c < categories for c in info.class_to_category):
+        out.append(f"class_to_category names a category outside -1..{categories - 1}")
+    for name, split in info.splits.items():
+        listed: set[int] = set()
+        for shard in split.shards:
+            where = f"split {name!r} shard {shard.name!r}"
+            ids = [cls for cls, _ in shard.class_counts]
+            listed.update(ids)
+            if any(not 0 <= cls < classes for cls in ids):
+                bad = next(cls for cls in ids if not 0 <= cls < classes)
+                out.append(f"{where}: class_counts names class {bad}, outside 0..{classes - 1}")
+            if (total := sum(n for _, n in shard.class_counts)) != shard.num_samples:
+                out.append(f"{where}: class_counts add up to {total}, num_samples is {shard.num_samples}")
+            cats = shard.category_counts
+            if cats and (total := sum(n for _, n in cats)) != shard.num_samples:
+                out.append(f"{where}: category_counts add up to {total}, num_samples is {shard.num_samples}")
+            if any(not -1 <= c < categories for c, _ in cats):
+                out.append(f"{where}: category_counts names a category outside -1..{categories - 1}")
+        if (total := sum(s.num_samples for s in split.shards)) != split.num_samples:
+            out.append(f"split {name!r}: its shards hold {total} samples, num_samples is {split.num_samples}")
+        if len(listed) != split.num_classes:
+            out.append(
+                f"split {name!r}: its shards list {len(listed)} classes, num_classes is {split.num_classes}"
+            )
+    for evaluation in info.evaluations:
+        for split in (evaluation.query, evaluation.gallery):
+            if split is not None and split not in info.splits:
+                out.append(f"evaluation {evaluation.name!r} reads split {split!r}, which is not listed")
+    return out
+
+
+def evaluation_problem(info: DatasetInfo, evaluation: Evaluation) -> str | None:
+    """Why no query of ``evaluation`` can have a relevant item, or None: a training run found it at its
+    first evaluation, on every worker, as an error that named no split (and retried it)."""
+
+    def classes(split: str) -> Counter[int]:
+        return Counter({c: n for shard in info.split(split).shards for c, n in shard.class_counts})
+
+    query, gallery = evaluation.query, evaluation.gallery
+    for split in filter(None, (query, gallery)):
+        if info.split(split).num_samples == 0:
+            return f"evaluation {evaluation.name!r} reads split {split!r}, which has no images"
+    if gallery is None:
+        if all(n < 2 for n in classes(query).values()):
+            return (
+                f"evaluation {evaluation.name!r}: every class of split {query!r} has one image, so no query "
+                "has another image of its class to find"
+            )
+    elif not classes(query).keys() & classes(gallery).keys():
+        return (
+            f"evaluation {evaluation.name!r}: no class of split {query!r} has an image in split {gallery!r}"
+        )
+    return None
+
+
 def load_dataset_info(root: str | Path) -> DatasetInfo:
     """Read and validate `<root>/dataset.json` (local directory or URL)."""
     url = join_url(str(root), METADATA_NAME)
@@ -115,6 +186,16 @@ def load_dataset_info(root: str | Path) -> DatasetInfo:
         ) from exc
     try:
         info = DatasetInfo.model_validate(json.loads(raw))
+    except ValidationError as exc:
+        problems = [
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+            if e["loc"]
+            else e["msg"].removeprefix("Value error, ")
+            for e in exc.errors()
+        ]
+        raise ValueError(
+            f"{url} is not a valid dmltrain dataset.json: {first_few(problems, 3, sep='; ')}"
+        ) from None
     except ValueError as exc:
         raise ValueError(f"{url} is not a valid dmltrain dataset.json: {exc}") from exc
     if info.format_version != FORMAT_VERSION:

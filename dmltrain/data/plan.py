@@ -238,6 +238,7 @@ class TrainPlan:
         self.consumers = world_size * workers
         self.global_batch = batch_size * world_size
         self.shard_samples = [s.num_samples for s in shards]
+        self.shard_classes = [s.class_counts for s in shards]
         self.holdings = [
             _holding(info, shards, consumer_shards(len(shards), r, world_size, w, workers))
             for r in range(world_size)

@@ -14,7 +14,7 @@ import json
 import os
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -92,22 +92,55 @@ def write_shard(path: str, entries: list[ShardEntry]) -> None:
 
 
 def read_shard(
-    url: str, shard: int = -1, skip: int = 0, with_meta: bool = False, expected: int | None = None
+    url: str,
+    shard: int = -1,
+    skip: int = 0,
+    with_meta: bool = False,
+    expected: int | None = None,
+    class_counts: Sequence[tuple[int, int]] | None = None,
 ) -> Iterator[Sample]:
     """Samples of one shard in order; the first `skip` are passed over without being parsed.
 
     Members are grouped into samples as webdataset does: the key is the name up to the first dot of its
     last path component, the rest (lower-cased) is the field. `expected` (the count dataset.json lists)
-    turns a shard that was cut at a member boundary or replaced into an error instead of fewer samples.
-    A shard that cannot be opened or read (missing file, HTTP 404, a remote reader's failing exit status)
-    is a ShardError naming it too.
+    turns a shard that was cut at a member boundary or replaced into an error instead of fewer samples;
+    `class_counts` (dataset.json's images per class of the shard) does the same for a sample labelled with
+    a class the shard does not list (at once) or per-class counts that differ (once read whole). A shard
+    that cannot be opened or read (missing file, HTTP 404, a remote reader's failing exit status) is a
+    ShardError naming it too.
     """
     try:
-        yield from _read_shard(url, shard, skip, with_meta, expected)
+        samples = _read_shard(url, shard, skip, with_meta, expected)
+        if class_counts is None:
+            yield from samples
+        else:
+            yield from _listed_classes(samples, url, dict(class_counts), whole=skip == 0)
     except ShardError:
         raise
     except OSError as exc:
         raise ShardError(f"{url}: missing or unreadable shard ({exc})") from exc
+
+
+def _listed_classes(
+    samples: Iterator[Sample], url: str, listed: dict[int, int], whole: bool
+) -> Iterator[Sample]:
+    """``samples``, checked against the classes dataset.json lists for their shard: a label outside them
+    was never trained (its one image formed a class of its own) and went unnoticed in evaluation."""
+    seen: Counter[int] = Counter()
+    for sample in samples:
+        if sample.cls not in listed:
+            raise ShardError(
+                f"{url}: sample {sample.key!r} has class {sample.cls}, which dataset.json does not list for "
+                "this shard (shard replaced or damaged after `dmltrain prepare`?)"
+            )
+        seen[sample.cls] += 1
+        yield sample
+    if whole and seen != Counter(listed):
+        cls = next(c for c in sorted(listed) if seen[c] != listed[c])
+        raise ShardError(
+            f"{url}: holds {seen[cls]} images of class {cls} but dataset.json lists {listed[cls]} "
+            "(shard replaced or damaged after `dmltrain prepare`?)"
+        )
 
 
 def _read_shard(url: str, shard: int, skip: int, with_meta: bool, expected: int | None) -> Iterator[Sample]:

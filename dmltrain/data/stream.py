@@ -80,12 +80,16 @@ class GroupStream:
         consumer: int,
         counts: list[int] | None = None,
         cache: ShardCache | None = None,
+        class_counts: list[list[tuple[int, int]]] | None = None,
     ) -> None:
-        """``cache``: shards read whole are kept there and replayed from memory on later passes."""
+        """``cache``: shards read whole are kept there and replayed from memory on later passes.
+        ``counts`` / ``class_counts``: each shard's samples and (class, images) as dataset.json lists them,
+        checked as the shard is read."""
         if not shard_ids:
             raise ValueError(f"consumer {consumer} has no shard to read")
         self.urls = urls
         self.counts = counts  # samples per shard from dataset.json: a shard holding fewer is an error
+        self.class_counts = class_counts
         self.cache = cache
         self.shard_ids = shard_ids
         self.seed = seed
@@ -133,7 +137,14 @@ class GroupStream:
         kept = self.cache.shard(shard) if self.cache is not None else None
         if kept is not None:
             return iter(kept[self.offset :])
-        reader = read_shard(self.urls[shard], shard=shard, skip=self.offset, expected=self._expected(shard))
+        classes = self.class_counts[shard] if self.class_counts is not None else None
+        reader = read_shard(
+            self.urls[shard],
+            shard=shard,
+            skip=self.offset,
+            expected=self._expected(shard),
+            class_counts=classes,
+        )
         if self.cache is not None and self.cache.enabled and self.offset == 0:
             return self._recorded(shard, reader)
         return reader
