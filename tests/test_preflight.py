@@ -107,6 +107,33 @@ def test_a_batch_in_parts_that_are_not_multiples_of_k_is_announced(glyphs_root: 
     assert _note(random, info) is None
 
 
+def test_an_evaluation_no_query_can_answer_is_refused_before_any_worker(glyphs_root: Path) -> None:
+    """A test split whose every file `prepare` skipped failed the step-0 evaluation on every worker, with
+    an error naming no split, four times (retried)."""
+    from dmltrain.data.metadata import Evaluation, SplitInfo
+
+    base = _config(f"data.root={glyphs_root}", "data.prepare=null")
+    info = load_data(base)
+    empty = SplitInfo(num_samples=0, num_classes=0, num_categories=0, shards=[])
+    no_test = info.model_copy(update={"splits": {**info.splits, "test": empty}})
+    assert _one_line_error(check_data, base, no_test) == (
+        f"data.root={glyphs_root}: evaluation 'test' reads split 'test', which has no images"
+    )
+    test = info.split("test")
+    ones = [
+        shard.model_copy(update={"class_counts": [(c, 1) for c, _ in shard.class_counts]})
+        for shard in test.shards
+    ]
+    singles = info.model_copy(
+        update={"splits": {**info.splits, "test": test.model_copy(update={"shards": ones})}}
+    )
+    assert "every class of split 'test' has one image" in _one_line_error(check_data, base, singles)
+    apart = info.model_copy(update={"evaluations": [Evaluation(name="qg", query="test", gallery="train")]})
+    assert _one_line_error(check_data, base, apart).endswith(
+        "evaluation 'qg': no class of split 'test' has an image in split 'train'"
+    )
+
+
 def test_missing_or_cut_shards_are_found_before_any_worker(glyphs_root: Path, tmp_path: Path) -> None:
     """Were found by a worker after Ray started and the step-0 evaluation ran (45 s here, retried)."""
     import shutil

@@ -28,7 +28,7 @@ from dmltrain.data import (
     ensure_glyphs,
     load_dataset_info,
 )
-from dmltrain.data.metadata import METADATA_NAME
+from dmltrain.data.metadata import METADATA_NAME, evaluation_problem
 from dmltrain.data.plan import TrainPlan
 from dmltrain.data.shared_memory import (
     encoded_bytes_per_image,
@@ -86,6 +86,10 @@ def check_data(config: ExperimentConfig, info: DatasetInfo) -> TrainPlan:
         )
     if not info.evaluations:
         raise ConfigError(f"data.root={config.data.root}: dataset.json lists no evaluations to run")
+    for evaluation in info.evaluations:
+        problem = evaluation_problem(info, evaluation)
+        if problem:
+            raise ConfigError(f"data.root={config.data.root}: {problem}")
     # Found here in a second, not by a worker after Ray started and the first evaluation ran; a remote
     # root (s3://, https://) is left to the loaders, which name the shard they cannot read.
     root = config.data.root
