@@ -277,6 +277,16 @@ def test_split_group_keeps_every_part_at_least_two() -> None:
     assert split_group(group(1), 4, counters) == [] and counters["skipped_single_images"] == 1
     assert [len(p) for p in split_group(group(5), 2, counters)] == [2, 2]
     assert counters["skipped_single_images"] == 2
+    # K = 2: the image of an odd class that waits is drawn anew each pass (it was always the last one,
+    # never trained).
+    rng = np.random.default_rng(0)
+    left_out: set[str] = set()
+    for _ in range(50):
+        pieces = split_group(group(5), 2, counters, rng)
+        assert [len(p) for p in pieces] == [2, 2]
+        (missing,) = set("01234") - {s.key for p in pieces for s in p}
+        left_out.add(missing)
+    assert left_out == set("01234")
 
 
 def test_transforms_on_uint8() -> None:

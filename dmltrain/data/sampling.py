@@ -63,10 +63,14 @@ class SamplerSpec:
         return asdict(self)
 
 
-def split_group(samples: list[Sample], k: int | None, counters: Counter[str]) -> list[list[Sample]]:
+def split_group(
+    samples: list[Sample], k: int | None, counters: Counter[str], rng: np.random.Generator | None = None
+) -> list[list[Sample]]:
     """Cut a class group into parts of K (smaller classes whole); no part of one image, which has no positive.
 
-    A remainder of one borrows from the last full part (K-1 + 2) when K >= 3, else it is counted as skipped.
+    A remainder of one borrows from the last full part (K-1 + 2) when K >= 3. With K = 2 one image waits
+    for the next pass (counted as skipped): one drawn from ``rng``, so that over the passes every image is
+    trained (without it, the last one, which was the same image on every pass and never trained).
     """
     n = len(samples)
     if n < 2:
@@ -74,6 +78,9 @@ def split_group(samples: list[Sample], k: int | None, counters: Counter[str]) ->
         return []
     if k is None or n <= k:
         return [samples]
+    if k < 3 and n % k == 1 and rng is not None:
+        left_out = int(rng.integers(n))
+        samples = samples[:left_out] + samples[left_out + 1 :] + samples[left_out : left_out + 1]
     q, r = divmod(n, k)
     parts = [samples[i * k : (i + 1) * k] for i in range(q)]
     tail = samples[q * k :]
@@ -176,7 +183,7 @@ class PoolBatcher(Batcher):
         self.want_classes = min(held_classes, 2 * math.ceil(part / max(2.0, mean_piece)))
 
     def _ingest(self, group: Group) -> int:
-        for piece in split_group(group.samples, self.k, self.counters):
+        for piece in split_group(group.samples, self.k, self.counters, self.rng):
             self.pool.append(piece)
             self.size += len(piece)
             self.pool_classes[piece[0].cls] += 1
