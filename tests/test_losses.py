@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from dmltrain.losses import (
     FastAPLoss,
+    LevelwiseLoss,
     LossParts,
     RankedListLoss,
     RankingLoss,
@@ -452,6 +453,11 @@ def test_rll_query_gradient_is_the_paper_form_with_constant_gallery_features():
     loss_fn(q, y[:5], ref_embeddings=r, ref_labels=y, query_index=torch.arange(5)).backward()
     assert r.grad is None and torch.count_nonzero(q.grad.abs().sum(1)) == 5
     assert loss_fn.gallery_is_constant and not RankedListLoss().gallery_is_constant
+    # a multi-level embedding keeps the base's answer (the engine read False and all-reduced the gallery)
+    assert (
+        LevelwiseLoss(loss_fn, 3).gallery_is_constant
+        and not LevelwiseLoss(RankedListLoss(), 3).gallery_is_constant
+    )
     with pytest.raises(ValueError, match="gradient must be one of"):
         RankedListLoss(gradient="gallery")
 

@@ -20,6 +20,8 @@ from dmltrain.losses._rowwise import BlockResult, QueryBlock, add_at_columns
 from dmltrain.losses._streamed import ColumnTile, RowGroup
 from dmltrain.losses.base import RankingLoss
 
+_CENTRE_ULPS = 64  # rounding of a similarity, in units of the dtype's eps, times the bins (on_first_centre)
+
 
 class _FastAPKernel:
     metric = "dot"
@@ -42,7 +44,7 @@ class _FastAPKernel:
         has_self = block.self_col >= 0
         rows_with_self = torch.nonzero(has_self).squeeze(1)
         t[rows_with_self, block.self_col[rows_with_self]] = L + 2.0
-        t_min = float(t.amin().item()) if t.numel() else 0.0
+        t_min = on_first_centre(t, float(t.amin().item()) if t.numel() else 0.0, L)
         # The mass an item puts into bins <= l (sum of the triangles relu(1 - |t - k|), k <= l) is
         # clamp(l + 1 - t, 0, 1) - clamp(-t, 0, 1); the second part only exists for t < 0 (outside [0, 4]).
         # Sums of non-negative terms only, so no cancellation in float32 however large the gallery. Bins
@@ -107,10 +109,26 @@ class _FastAPKernel:
         add_at_columns(jac, pos_cols, pos_grad, where=pos_real)
 
 
+def on_first_centre(t: Tensor, t_min: float, num_bins: int) -> float:
+    """Put the items within rounding of the first bin centre (t = 0: similarity 1, a duplicate of the query)
+    on it, in place; returns the new minimum.
+
+    The triangle kernel has a kink at every centre, and at t = 0 a third slope (t < 0 only exists through
+    rounding for normalised inputs): a duplicate's gradient depended on the last bit of its similarity,
+    which differs between two products of the same vectors (row blocks, column tiles, GPU kernels) and was
+    several times the whole gradient's size. Free when no item is that close (t_min tells)."""
+    snap = _CENTRE_ULPS * torch.finfo(t.dtype).eps * num_bins
+    if t_min >= snap or t.numel() == 0:
+        return t_min
+    t.masked_fill_(t.abs() < snap, 0.0)
+    return float(t.amin().item())
+
+
 @dataclass
 class _FastAPState:
     cum_all: Tensor  # (k, L+1) cumulative bin masses of all items, before the t < 0 correction
     below_zero: Tensor  # (k, 1) the t < 0 correction
+    pos_values: Tensor  # (k, P) the positives' similarities as their tiles computed them
     table: Tensor | None = None  # (k, L+3) dterm/ds per bin (see _FastAPKernel._jacobian)
     d_all_sum: Tensor | None = None  # (k, 1) for items with t in (-1, 0)
     pos_grad: Tensor | None = None  # (k, P) the positives' extra entries (they also move H+)
@@ -130,21 +148,28 @@ class _FastAPStream:
     def start(self, group: RowGroup) -> _FastAPState:
         k, L = group.queries.shape[0], self.num_bins
         zeros = group.queries.new_zeros
-        return _FastAPState(cum_all=zeros(k, L + 1), below_zero=zeros(k, 1))
+        return _FastAPState(
+            cum_all=zeros(k, L + 1), below_zero=zeros(k, 1), pos_values=group.pos_values.clone()
+        )
 
-    def _t(self, group: RowGroup, tile: ColumnTile) -> tuple[Tensor, float, Tensor]:
-        """Distance in bin widths with the query's own column moved outside every bin; max before the move."""
+    def _t(self, group: RowGroup, tile: ColumnTile) -> tuple[Tensor, float, float, Tensor]:
+        """Distance in bin widths with the query's own column moved outside every bin; max before the move,
+        min after it."""
         L = self.num_bins
         t = tile.values.mul(-L / 2).add_(L / 2)
         t_max = float(t.amax().item()) if t.numel() else 0.0
         rows, cols = tile.self_hits(group)
         t[rows, cols] = L + 2.0
-        return t, t_max, rows
+        t_min = on_first_centre(t, float(t.amin().item()) if t.numel() else 0.0, L)
+        return t, t_max, t_min, rows
 
     def add_tile(self, state: _FastAPState, group: RowGroup, tile: ColumnTile, walk: int) -> None:
         L = self.num_bins
-        t, t_max, self_rows = self._t(group, tile)
-        t_min = float(t.amin().item()) if t.numel() else 0.0
+        # H+ takes each positive's value from its tile, as H does: the row group's own product of the
+        # positives can differ in the last bit, which put one item on both sides of a kink.
+        rows, slots, local = tile.positive_hits(group)
+        state.pos_values[rows, slots] = tile.values[rows, local]
+        t, t_max, t_min, self_rows = self._t(group, tile)
         items = torch.full((t.shape[0],), float(t.shape[1]), dtype=t.dtype, device=t.device)
         items[self_rows] -= 1.0
         for level in range(L + 1):  # the same shortcuts as the unstreamed kernel, per tile
@@ -161,7 +186,8 @@ class _FastAPStream:
         L = self.num_bins
         n_pos, valid = group.n_pos, group.n_pos > 0
         cum_all = state.cum_all - state.below_zero
-        t_pos = torch.where(group.pos_real, group.pos_values.mul(-L / 2).add_(L / 2), L + 2.0)
+        t_pos = torch.where(group.pos_real, state.pos_values.mul(-L / 2).add_(L / 2), L + 2.0)
+        on_first_centre(t_pos, float(t_pos.amin().item()) if t_pos.numel() else 0.0, L)
         cum_pos = torch.stack([torch.rsub(t_pos, level + 1).clamp_(0, 1).sum(1) for level in range(L + 1)], 1)
         cum_pos -= t_pos.neg().clamp_(0, 1).sum(1, keepdim=True)
         h_pos = torch.diff(cum_pos, dim=1, prepend=torch.zeros_like(cum_pos[:, :1]))
@@ -190,7 +216,7 @@ class _FastAPStream:
     def jacobian(self, state: _FastAPState, group: RowGroup, tile: ColumnTile) -> Tensor:
         L = self.num_bins
         assert state.table is not None and state.d_all_sum is not None and state.pos_grad is not None
-        t, _, _ = self._t(group, tile)
+        t, _, _, _ = self._t(group, tile)
         has_tail = bool((t < 0).any().item())
         low = t.floor()
         interior = torch.sub(t, low).ceil_()

@@ -37,6 +37,12 @@ class LevelwiseLoss(nn.Module):
         self.base = base
         self.levels = levels
 
+    @property
+    def gallery_is_constant(self) -> bool:
+        """The base loss's answer: per level, the gallery is as constant as the base treats it (the engine
+        otherwise took the gathered-gallery path, with its all-reduce, for multi-level RLL in paper form)."""
+        return bool(getattr(self.base, "gallery_is_constant", False))
+
     def _split(self, x: Tensor | None) -> list[Tensor | None]:
         if x is None:
             return [None] * self.levels
