@@ -89,6 +89,31 @@ def test_prepare_is_idempotent_and_deterministic(tmp_path: Path) -> None:
     assert not list(out.glob("*.tmp*"))
 
 
+def test_a_build_never_replaces_other_files_or_another_kind_of_data_set(tmp_path: Path) -> None:
+    """`data.prepare: glyphs` with data.root at the user's own data set rebuilt it as glyphs (its shards
+    replaced, the rest deleted), and a typo'd root such as /tmp got 128 shards among its files."""
+    src = tmp_path / "src"
+    for c in range(3):
+        for i in range(4):
+            write_image(src / f"c{c}" / f"{i}.png", c * 10 + i, "PNG")
+    mine = tmp_path / "mine"
+    prepare("folder", str(src), mine, shard_size=4, progress=False)
+    before = {p.name: p.read_bytes() for p in mine.iterdir() if p.suffix in (".tar", ".json")}
+    with pytest.raises(FileExistsError, match=rf"{mine} holds a 'folder' data set .*preparing 'glyphs' data"):
+        ensure_glyphs(mine, min_faces=12, image_size=32)
+    assert {p.name: p.read_bytes() for p in mine.iterdir() if p.suffix in (".tar", ".json")} == before
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    (busy / ".hidden").write_text("ignored")
+    with pytest.raises(
+        FileExistsError, match=r"busy holds files that are not a dmltrain data set \(notes.txt\)"
+    ):
+        prepare("folder", str(src), busy, shard_size=4, progress=False)
+    assert sorted(p.name for p in busy.iterdir()) == [".hidden", "notes.txt"]
+    assert cli_main(["prepare", "folder", str(src), str(busy), "--quiet"]) == 2
+
+
 def test_a_re_run_repairs_a_build_that_lost_or_cut_a_shard(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

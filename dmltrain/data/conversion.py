@@ -32,6 +32,7 @@ from tqdm import tqdm
 from dmltrain.data.datasets import scan_source
 from dmltrain.data.datasets.base import SourceDataset, SourceItem, SourceLayoutError, natural_key
 from dmltrain.data.datasets.glyphs import glyphs_source_desc
+from dmltrain.data.errors import first_few
 from dmltrain.data.images import ImageError, checked_image
 from dmltrain.data.metadata import (
     METADATA_NAME,
@@ -91,11 +92,18 @@ def prepare_dataset(
     out = Path(out_dir)
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
+    _refuse_foreign_folder(out)
     with directory_lock(out):
         existing = out / METADATA_NAME
         old = None
         if existing.is_file() and not force:
             old = DatasetInfo.model_validate(json.loads(existing.read_text()))
+        if old is not None and old.source_format != source_format:
+            # `data.prepare: glyphs` with data.root naming the user's own data set rebuilt it as glyphs.
+            raise FileExistsError(
+                f"{out} holds a {old.source_format!r} data set ({old.source}); preparing {source_format!r} "
+                "data there would replace it: choose another folder (or remove it first)"
+            )
         # Its shards are checked (and a damaged build reported) once, whichever test below asks first.
         intact = functools.cache(lambda: old is not None and _intact(out, old, progress))
         if old is not None and reuse_if is not None and reuse_if(old) and intact():
@@ -471,6 +479,31 @@ def _report_unanswerable_queries(info: DatasetInfo, evaluation: Evaluation) -> N
             f"{len(missing)} class(es) have no image of their class in {evaluation.gallery} (no positive: "
             f"left out of the metrics): {shown}" + (" ..." if len(missing) > 10 else ""),
             file=sys.stderr,
+        )
+
+
+def _ours(name: str) -> bool:
+    """A file a build writes: dataset.json, shards, the progress record, the lock, their temporary files."""
+    return (
+        name in (METADATA_NAME, PROGRESS_NAME, LOCK_NAME, f"{PROGRESS_NAME}.tmp")
+        or name.startswith(f"{METADATA_NAME}.tmp-")
+        or bool(_SHARD_RE.match(name))
+        or ".tar.tmp-" in name
+    )
+
+
+def _refuse_foreign_folder(out: Path) -> None:
+    """A build writes into a new or empty folder, or one holding a build: it replaces shards by name and
+    deletes the ones it no longer lists, so a typo'd folder (`/tmp`, a home directory) got 128 shards."""
+    if not out.is_dir():
+        if out.exists():
+            raise NotADirectoryError(f"{out} is a file, not a folder for shards")
+        return
+    foreign = sorted(p.name for p in out.iterdir() if not (_ours(p.name) or p.name.startswith(".")))
+    if foreign:
+        raise FileExistsError(
+            f"{out} holds files that are not a dmltrain data set ({first_few(foreign, 3)}): prepare into a "
+            "new or empty folder"
         )
 
 
