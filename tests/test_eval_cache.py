@@ -127,3 +127,18 @@ def test_rows_come_in_shard_order_whatever_the_number_of_loader_workers(tmp_path
     reader = EvalLoader(root, "test", 1000, info=info, with_shards=True)
     labels = torch.cat([batch[1] for batch in reader])  # one process reads its shards front to back
     assert torch.equal(plain.labels, labels)
+
+
+def test_embeddings_that_are_not_finite_end_the_run_without_a_retry(
+    small_glyphs: tuple[Path, DatasetInfo],
+) -> None:
+    """data.std of 1e-300 (or diverged weights) made every embedding NaN: the evaluation's ValueError was
+    retried from the checkpoint run.max_failures times, each failing alike, and ended in a traceback."""
+    from dmltrain.service.errors import FATAL_IN_LOOP, NonFiniteEmbeddingsError
+
+    root, info = small_glyphs
+    with pytest.raises(
+        NonFiniteEmbeddingsError, match=r"embeds (\d+) of \1 images of split 'test' as NaN or inf"
+    ):
+        _embed(root, info, None, "data.std=[1e-300,1e-300,1e-300]")
+    assert issubclass(NonFiniteEmbeddingsError, FATAL_IN_LOOP)

@@ -27,6 +27,7 @@ from dmltrain.inference import embed_batch
 from dmltrain.models import PreprocessConfig
 from dmltrain.service.builders import resolve_preprocessing
 from dmltrain.service.config import recall_ks
+from dmltrain.service.errors import NonFiniteEmbeddingsError
 from dmltrain.service.logs import progress_bar
 
 if TYPE_CHECKING:
@@ -177,12 +178,14 @@ def embed_split(
     if keep_thumbnails and thumbs:
         stacked = torch.cat(thumbs)[order].permute(0, 2, 3, 1).numpy()
         thumbnails = {offset + i: stacked[i] for i in range(len(stacked))}
-    return EmbeddedSplit(
-        gather_uneven(local, sizes).cpu(),  # rank 0 scores; the others need only their thumbnails
-        gather_uneven(local_labels.to(device), sizes).cpu(),
-        sizes,
-        thumbnails,
-    )
+    embeddings = gather_uneven(local, sizes).cpu()  # rank 0 scores; the others need only their thumbnails
+    broken = ~torch.isfinite(embeddings).all(dim=1)
+    if bool(broken.any()):  # every rank holds the gathered rows: all of them stop here together
+        raise NonFiniteEmbeddingsError(
+            f"the network embeds {int(broken.sum())} of {len(broken)} images of split {split!r} as NaN or "
+            "inf (diverged weights, or inputs that overflow: data.mean, data.std)"
+        )
+    return EmbeddedSplit(embeddings, gather_uneven(local_labels.to(device), sizes).cpu(), sizes, thumbnails)
 
 
 def index_kind(config: ExperimentConfig, gallery_size: int) -> str:

@@ -28,12 +28,24 @@ class FatalRunError(RuntimeError):
         self.explained = explained
 
 
+class NonFiniteEmbeddingsError(ValueError):
+    """The network embeds images of an evaluated split as NaN/inf: the same evaluation fails the same way
+    from the last checkpoint (diverged weights, inputs that overflow), so a restart only repeats it."""
+
+
 # Raised while a worker sets up (model, data plan, weights): no restart makes them go away. Errors of the
 # training loop itself are retried unless listed in FATAL_IN_LOOP (a lost peer shows up as RuntimeError);
 # what the data causes (a damaged shard or image, a batch its classes cannot fill) replays on a restart.
 # A node whose /dev/shm cannot hold what the loaders keep there stays so across restarts.
 FATAL_IN_SETUP = (ValueError, KeyError, TypeError, FileNotFoundError, ImportError, SharedMemoryError)
-FATAL_IN_LOOP = (ShardError, SampleError, SamplingError, SharedMemoryError, BestMetricError)
+FATAL_IN_LOOP = (
+    ShardError,
+    SampleError,
+    SamplingError,
+    SharedMemoryError,
+    BestMetricError,
+    NonFiniteEmbeddingsError,
+)
 
 
 def as_fatal(exc: BaseException, rank: int, phase: str, *, explained: bool = False) -> FatalRunError:
