@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,38 @@ def test_worker_environment_keys(tmp_path: Path) -> None:
         assert {k: v for k, v in env.items() if "OMP" in k} == expected
     with pytest.raises(ConfigError, match=r"scaling\.omp_wait_policy"):
         load_config(path, ["scaling.omp_wait_policy=spin"])
+
+
+def test_numbers_and_text_read_as_written(tmp_path: Path) -> None:
+    """PyYAML's YAML 1.1 rules read train.steps=010 as 8 (octal) and 1:00 as 60 (base 60), without a
+    word; a name given as digits was refused (got 2024) or changed (0123 became 83)."""
+    path = CONFIGS[0].parent / "quickstart.yaml"
+    config = load_config(
+        path, ["train.steps=010", "optim.lr=1e-4", "run.name=0123", "mlflow.experiment=2024"]
+    )
+    assert (config.train.steps, config.optim.lr) == (10, 1e-4)
+    assert (config.run.name, config.mlflow.experiment) == ("0123", "2024")
+    assert load_config(path, ["eval.ks=[1, 010]"]).eval.ks == (1, 10)
+    for bad in ("train.steps=1:00", "optim.lr=1:30"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            load_config(path, [bad])
+    in_file = tmp_path / "octal.yaml"
+    in_file.write_text(path.read_text().replace("steps: 600", "steps: 0600"))
+    assert load_config(in_file).train.steps == 600
+    # Keys with empty parts and values that are not YAML are one line naming the override.
+    for bad, message in (
+        ("train..steps=5", "has an empty part"),
+        ("optim.lr=[1,", "its value is not valid YAML"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(f"override {bad!r}") + ".*" + message) as caught:
+            load_config(path, [bad])
+        assert "\n" not in str(caught.value)
+    latin = tmp_path / "latin1.yaml"
+    latin.write_bytes(path.read_bytes() + "# caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"config file {latin} is not UTF-8 text"):
+        load_config(latin)
+    with pytest.raises(ConfigError, match=rf"config file {tmp_path} cannot be read|not found"):
+        load_config(tmp_path)
 
 
 def test_missing_file_and_required_keys(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ MLflow and shipped to Ray workers without importing torch.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
@@ -545,14 +546,38 @@ class ExperimentConfig(_Section):
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """Split ``a.b.c=value`` into its key path and a YAML-typed value (so ``1e-4`` is a float)."""
+    """Split ``a.b.c=value`` into its key path and a YAML-typed value (so ``1e-4`` is a float); a field
+    that holds text takes the text as written (``run.name=2024``, ``run.name=0123``)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not of the form key.sub=value")
     key, raw = text.split("=", 1)
-    path = [part for part in key.strip().split(".") if part]
-    if not path:
-        raise ConfigError(f"override {text!r} has an empty key")
-    return path, yaml.safe_load(raw) if raw.strip() else None
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {text!r}: the key {key.strip()!r} has an empty part")
+    if not raw.strip():
+        return parts, None
+    try:
+        value = yaml.load(raw, Loader=_CoreSchemaLoader)
+    except yaml.YAMLError as error:
+        raise ConfigError(
+            f"override {text!r}: its value is not valid YAML ({' '.join(str(error).split())})"
+        ) from None
+    if value is not None and not isinstance(value, str) and _holds_text(parts):
+        value = raw.strip()
+    return parts, value
+
+
+def _holds_text(path: Sequence[str]) -> bool:
+    """Whether the config field at ``path`` holds text (``str`` or ``str | None``)."""
+    model: type[BaseModel] = ExperimentConfig
+    for part in path[:-1]:
+        field = model.model_fields.get(part)
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return False
+        model = annotation
+    field = model.model_fields.get(path[-1])
+    return field is not None and field.annotation in (str, str | None)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
@@ -641,7 +666,35 @@ def config_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
         raise ConfigError(_describe_errors(error, source)) from None
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _CoreSchemaLoader(yaml.SafeLoader):
+    """YAML's safe loader with YAML 1.2's core schema for booleans and numbers: PyYAML's 1.1 rules read
+    `steps: 010` as 8 (octal), `1:00` as 60 (base 60) and `yes`/`off` as booleans, and `1e-4` as text."""
+
+    def construct_core_int(self, node: yaml.ScalarNode) -> int:
+        text = str(self.construct_scalar(node))
+        return int(text, 0) if text[:2] in ("0o", "0x") else int(text, 10)
+
+
+_CoreSchemaLoader.yaml_implicit_resolvers = {
+    first: [
+        (tag, regexp) for tag, regexp in resolvers if tag.rsplit(":", 1)[1] not in ("bool", "int", "float")
+    ]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+for _tag, _pattern, _first in (
+    ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    ("int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
+    (
+        "float",
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+        "-+0123456789.",
+    ),
+):
+    _CoreSchemaLoader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_pattern), list(_first))
+_CoreSchemaLoader.add_constructor("tag:yaml.org,2002:int", _CoreSchemaLoader.construct_core_int)
+
+
+class _UniqueKeyLoader(_CoreSchemaLoader):
     """YAML's safe loader, except that a key given twice in one mapping is an error: PyYAML keeps the last
     silently, so `steps: 20` ... `steps: 30` in one section trained 30 steps without a word."""
 
@@ -670,6 +723,10 @@ def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
             raw = yaml.load(handle, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"{what} {path} is not valid YAML: {' '.join(str(error).split())}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{what} {path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except OSError as error:  # a folder, an unreadable file
+        raise ConfigError(f"{what} {path} cannot be read: {error.strerror or error}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{what} {path} must hold a mapping at the top level")
     return raw
