@@ -213,6 +213,10 @@ def test_numbers_and_text_read_as_written(tmp_path: Path) -> None:
         load_config(latin)
     with pytest.raises(ConfigError, match=rf"config file {tmp_path} cannot be read|not found"):
         load_config(tmp_path)
+    # Empty names reached MLflow after Ray had started (experiment) or were skipped silently (register_as).
+    for key in ("mlflow.experiment", "mlflow.register_as"):
+        with pytest.raises(ConfigError, match=rf"{key}: String should have at least 1 character"):
+            load_config(path, [f'{key}=""'])
 
 
 def test_missing_file_and_required_keys(tmp_path: Path) -> None:
@@ -262,6 +266,8 @@ def test_yaml_round_trip_and_flatten(tmp_path: Path) -> None:
         ("https://host/sop", "gs://bucket/runs", "https://host/sop", "gs://bucket/runs"),
         ("file:///abs/data", "runs", "file:///abs/data", "{base}/runs"),
         ("pipe:aws s3 cp s3://b/x -", "runs", "pipe:aws s3 cp s3://b/x -", "{base}/runs"),
+        # ~ as a shell expands it (Ray wrote to ./~/ray_results while the checks probed the home folder)
+        ("~/data", "~/runs", f"{Path.home()}/data", f"{Path.home()}/runs"),
     ],
 )
 def test_launch_resolves_only_relative_local_paths(

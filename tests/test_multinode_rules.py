@@ -120,6 +120,13 @@ def test_workers_that_a_single_node_cannot_hold_are_refused_with_the_numbers() -
     assert local_capacity_problem(gpu, attached, machine_cpus=2, machine_gpus=0) is None
     two_cpus = ClusterView.from_ray_nodes([_node("n", "127.0.0.1", 2.0)], attached=False)
     assert "of this run has 0: set" in local_capacity_problem(gpu, two_cpus, machine_cpus=2, machine_gpus=2)
+    # GPU decoding without a GPU was refused only after the local Ray instance had started
+    decode = load_config(QUICKSTART, ["data.decode=gpu"])
+    assert local_capacity_problem(decode, local, machine_cpus=2, machine_gpus=0) == (
+        "data.decode=gpu decodes on the training workers' GPUs, but the single-node Ray cluster of this run "
+        "has none: set data.decode=auto or cpu"
+    )
+    assert local_capacity_problem(decode, local, machine_cpus=2, machine_gpus=1) is None
 
 
 @pytest.mark.service

@@ -42,6 +42,10 @@ def test_model_errors_are_caught_without_building_the_model(tmp_path: Path) -> N
     )
     wrong_size = _one_line_error(check_config, _config(f"model.weights={tmp_path}/r18_64.pt"))  # dim 128
     assert wrong_size.startswith(f"model.weights={tmp_path}/r18_64.pt: does not fit this model")
+    unknown = _one_line_error(check_config, _config("model.backbone_kwargs={nosuch: 1}"))
+    assert (
+        unknown.startswith("model.backbone_kwargs={'nosuch': 1}: ") and "nosuch" in unknown.split(": ", 1)[1]
+    )
     (tmp_path / "junk.pt").write_bytes(b"not a torch file")
     assert "not a loadable state dict" in _one_line_error(
         check_config, _config(f"model.weights={tmp_path}/junk.pt")

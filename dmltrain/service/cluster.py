@@ -156,6 +156,11 @@ def local_capacity_problem(
             "scaling.torch_threads is set) or scaling.num_workers"
         )
     gpus = view.gpus if view.nodes else machine_gpus
+    if config.data.decode == "gpu" and gpus is not None and gpus < 1:  # found only after Ray started
+        return (
+            "data.decode=gpu decodes on the training workers' GPUs, but the single-node Ray cluster of this "
+            "run has none: set data.decode=auto or cpu"
+        )
     if gpus is None or scaling.num_workers <= gpus:
         return None
     if scaling.use_gpu is True and gpus < 1:

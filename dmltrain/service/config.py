@@ -470,14 +470,16 @@ class MlflowSection(_Section):
     tracking_uri: str | None = Field(
         default=None, description="None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd."
     )
-    experiment: str = "dmltrain"
+    experiment: str = Field(default="dmltrain", min_length=1)
     log_checkpoints: bool = Field(
         default=False,
         description="Also copy every checkpoint (optimizer state included) to MLflow; the final and best "
         "models are logged either way.",
     )
     register_as: str | None = Field(
-        default=None, description="Register the finished run's model under this name in the model registry."
+        default=None,
+        min_length=1,
+        description="Register the finished run's model under this name in the model registry.",
     )
 
 

@@ -56,6 +56,10 @@ def check_config(config: ExperimentConfig) -> None:
         check_network(config)
     except (ValueError, FileNotFoundError, MissingExtraError) as error:  # messages start with the key
         raise ConfigError(_one_line(error)) from None
+    except TypeError as error:  # a keyword the backbone's constructor does not take
+        raise ConfigError(
+            f"model.backbone_kwargs={config.model.backbone_kwargs}: {_one_line(error)}"
+        ) from None
     if config.eval.grid_queries > 0 and importlib.util.find_spec("faiss") is None:
         raise ConfigError(
             f"faiss is not installed, and eval.grid_queries={config.eval.grid_queries} needs it for the "
@@ -73,6 +77,11 @@ def load_data(config: ExperimentConfig) -> DatasetInfo:
         return load_dataset_info(config.data.root)
     except (FileNotFoundError, ValueError, OSError) as error:
         raise ConfigError(f"data.root={config.data.root}: {_one_line(error)}") from None
+    except Exception as error:  # a remote store's own errors (missing credentials, an unknown bucket)
+        raise ConfigError(
+            f"data.root={config.data.root}: cannot read {METADATA_NAME} ({type(error).__name__}: "
+            f"{_one_line(error)})"
+        ) from None
 
 
 def check_data(config: ExperimentConfig, info: DatasetInfo) -> TrainPlan:

@@ -107,8 +107,9 @@ def resolve_paths(config: ExperimentConfig, base: Path | None = None) -> Experim
         ("data", "root", config.data.root),
         ("run", "storage_path", config.run.storage_path),
     ):
+        # ~ as a shell would expand it: the storage checks probed the home folder while Ray wrote to ./~
         if is_local(value) and not Path(local_path(value)).is_absolute():
-            updates[section] = {key: str((base / local_path(value)).resolve())}
+            updates[section] = {key: str((base / Path(local_path(value)).expanduser()).resolve())}
     weights = config.model.weights
     if weights and (base / weights).is_file() and not Path(weights).is_absolute():
         updates["model"] = {"weights": str((base / weights).resolve())}
