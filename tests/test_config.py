@@ -74,8 +74,17 @@ def test_wrong_type_and_unknown_loss(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"loss"):
         load_config(path)
     path = _write(tmp_path, lambda raw: raw["loss"].update(num_bins=10))  # a FastAP key on Smooth-AP
-    with pytest.raises(ConfigError, match=r"loss\.num_bins"):
+    with pytest.raises(ConfigError, match=r"loss\.num_bins: a key of loss.name=fastap, not of smoothap"):
         load_config(path)
+    # Switching the loss by its name keeps the other loss's keys: said so, not "unknown key (typo?)"
+    with pytest.raises(ConfigError) as caught:
+        load_config(CONFIGS[0].parent / "quickstart.yaml", ["loss.name=fastap"])
+    assert str(caught.value).splitlines()[1] == (
+        "  loss.temperature: a key of loss.name=smoothap, not of fastap (replace the whole section: "
+        "loss={name: fastap})"
+    )
+    with pytest.raises(ConfigError, match=r"loss\.tempratur: unknown key \(typo\?\)"):
+        load_config(CONFIGS[0].parent / "quickstart.yaml", ["loss.tempratur=0.1"])
 
 
 def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
@@ -97,6 +106,9 @@ def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
         load_config(path, ["train.profile_start=600", "train.profile_steps=2"])
     with pytest.raises(ConfigError, match=r"train\.profile_start"):
         load_config(path, ["train.profile_start=0"])
+    # A warm-up as long as the run never reached optim.lr (600 steps ended at 0.6% of it), silently.
+    with pytest.raises(ConfigError, match=r"optim\.warmup_steps=600 is not below train\.steps=600"):
+        load_config(path, ["optim.warmup_steps=600"])
 
 
 def test_booleans_infinities_and_paths_in_a_name_are_refused() -> None:

@@ -109,6 +109,13 @@ def test_a_batch_in_parts_that_are_not_multiples_of_k_is_announced(glyphs_root: 
     assert _note(whole, info) is None
     random = _config(*base, "train.global_batch_size=30", "sampler.name=random")
     assert _note(random, info) is None
+    # K above every class: pieces are whole classes, silently fewer than K images each
+    largest = max(n for shard in info.split("train").shards for _, n in shard.class_counts)
+    big_k = _config(*base, "train.global_batch_size=128", "sampler.samples_per_class=64")
+    assert _note(big_k, info) == (
+        f"sampler.samples_per_class=64, but no train class has more than {largest} images in one shard: "
+        "every class enters a batch whole, with fewer than 64 images"
+    )
 
 
 def test_an_evaluation_no_query_can_answer_is_refused_before_any_worker(glyphs_root: Path) -> None:

@@ -535,6 +535,11 @@ class ExperimentConfig(_Section):
                 f"loss.triplets=sampled scores the triplet sampler's triplets but sampler.name is "
                 f"{self.sampler.name!r}: set sampler.name=triplet, or loss.triplets=all"
             )
+        if self.optim.warmup_steps >= self.train.steps:
+            raise ValueError(
+                f"optim.warmup_steps={self.optim.warmup_steps} is not below train.steps={self.train.steps}: "
+                "the learning rate would never reach optim.lr"
+            )
         if self.model.multilevel and self.loss.name == "triplet":
             raise ValueError(
                 "model.multilevel trains one loss per level, which the triplet loss cannot (its normaliser "
@@ -612,7 +617,16 @@ def _describe_errors(error: ValidationError, source: str) -> str:
     found: dict[str, list[tuple[str, Any]]] = {}
     for item in error.errors():
         key = ".".join(str(p) for p in item["loc"] if not _is_union_member(p))
-        if item["type"] == "extra_forbidden":
+        tags = [str(p) for p in item["loc"] if _is_union_member(p)]
+        other = _LOSS_KEYS.get(str(item["loc"][-1]), set()) - set(tags) if item["loc"] else set()
+        if item["type"] == "extra_forbidden" and tags and other:
+            # `loss.name=fastap` over a smoothap section keeps smoothap's keys: not a typo
+            message = (
+                f"a key of loss.name={'/'.join(sorted(other))}, not of {tags[0]} (replace the whole section: "
+                f"loss={{name: {tags[0]}}})"
+            )
+            found.setdefault(key, []).append((message, _NO_INPUT))
+        elif item["type"] == "extra_forbidden":
             found.setdefault(key, []).append(("unknown key (typo?)", _NO_INPUT))
         elif item["type"] == "missing":
             found.setdefault(key, []).append(("required key is missing", _NO_INPUT))
@@ -651,6 +665,10 @@ KEEP_FREED_MEMORY_ENV: dict[str, str] = {
 
 _NO_INPUT = object()
 _UNION_TAGS = {"fastap", "smoothap", "rll", "triplet"}
+_LOSS_KEYS: dict[str, set[str]] = {}  # a loss option -> the loss.name values that take it
+for _model in get_args(get_args(LossConfig)[0]):
+    for _key in _model.model_fields:
+        _LOSS_KEYS.setdefault(_key, set()).update(get_args(_model.model_fields["name"].annotation))
 
 
 def _is_union_member(part: object) -> bool:

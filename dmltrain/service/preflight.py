@@ -145,6 +145,12 @@ def short_pieces_note(config: ExperimentConfig, plan: TrainPlan) -> str | None:
     """
     k = config.sampler.samples_per_class
     parts = plan.parts or []
+    largest = max((n for held in plan.holdings for n in held.runs.values()), default=0)
+    if config.sampler.name == "pk" and 2 <= largest < k:
+        return (
+            f"sampler.samples_per_class={k}, but no train class has more than {largest} images in one shard: "
+            f"every class enters a batch whole, with fewer than {k} images"
+        )
     if config.sampler.name != "pk" or all(p % k == 0 for p in parts):
         return None
     workers = config.scaling.num_workers
