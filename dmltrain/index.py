@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import math
 import os
 import sys
@@ -40,6 +41,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+log = logging.getLogger("dmltrain.index")
 
 __all__ = [
     "EXACT_LIMIT",
@@ -567,8 +570,9 @@ def approximate_retrieval_metrics(
 
     Without a gallery the queries search each other, each skipping itself. Full-ranking mAP needs every
     positive's rank and is not reported; MAP@R and R-precision look at the top R (capped at ``max_k``, so
-    a class larger than that is scored on its first ``max_k`` ranks). Ties keep faiss's order (the exact path,
-    `dmltrain.evaluation.retrieval_metrics`, ranks ties pessimistically)."""
+    a class larger than that is scored on its first ``max_k`` ranks: a lower bound, counted in
+    ``num_queries_deeper_than_search`` beside ``search_depth``, and logged). Ties keep faiss's order (the
+    exact path, `dmltrain.evaluation.retrieval_metrics`, ranks ties pessimistically)."""
     q = _as_float32(query_embeddings, "query_embeddings")
     q_lab = _label_array(query_labels, len(q), "query_labels")
     leave_one_out = gallery_embeddings is None
@@ -611,6 +615,22 @@ def approximate_retrieval_metrics(
     out["r_precision"] = float(r_prec[valid].mean())
     out["num_queries"] = int(valid.sum())
     out["num_queries_without_positive"] = int((~valid).sum())
+    # MAP@R looks at R ranks; a class larger than the search depth is scored on the first k only, and so
+    # is a Recall@K beyond it: both are then lower bounds, which the result and the log say.
+    deeper = int((r[valid] > k).sum())
+    out["search_depth"] = k
+    out["num_queries_deeper_than_search"] = deeper
+    if deeper or max(ks) > k:
+        log.warning(
+            "faiss %s search depth %d: MAP@R and R-precision of %d of %d queries (classes of more than %d "
+            "gallery items)%s are lower bounds; the exact ranking (eval.index=exact) has no depth",
+            kind,
+            k,
+            deeper,
+            int(valid.sum()),
+            k,
+            f" and recall@{max(ks)}" if max(ks) > k else "",
+        )
     # How close the index is to exact search, on a sample of queries.
     rk = int(min(recall_k, len(g) - extra))
     sample = np.sort(np.random.default_rng(seed).choice(len(q), min(recall_queries, len(q)), replace=False))

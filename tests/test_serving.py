@@ -418,6 +418,19 @@ def test_flat_knn_metrics_equal_exact_ranking() -> None:
     for key in ("recall@1", "recall@2", "recall@4", "recall@8", "map@r", "r_precision", "num_queries"):
         assert knn[key] == pytest.approx(exact[key], abs=1e-9), key
     assert knn["index_recall@10"] == 1.0
+    assert knn["num_queries_deeper_than_search"] == 0 and knn["search_depth"] >= 10
+
+
+def test_knn_metrics_say_when_a_class_is_deeper_than_the_search(caplog: pytest.LogCaptureFixture) -> None:
+    """MAP@R of a class larger than the search depth is scored on its first max_k ranks: it came out low
+    under the same key, with no word."""
+    x, y = _clustered(400, 16, 4, seed=4)  # classes of about 100
+    exact = retrieval_metrics(x, y, ks=(1,))
+    with caplog.at_level("WARNING", logger="dmltrain.index"):
+        knn = approximate_retrieval_metrics(x, y, ks=(1,), kind="flat", max_k=32, recall_queries=50)
+    assert knn["search_depth"] == 32 and knn["num_queries_deeper_than_search"] == knn["num_queries"] == 400
+    assert knn["map@r"] < exact["map@r"]
+    assert "search depth 32: MAP@R and R-precision of 400 of 400 queries" in caplog.text
 
 
 @pytest.mark.parametrize("kind", ["ivfpq", "hnsw"])
