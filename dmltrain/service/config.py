@@ -354,8 +354,9 @@ class EvalConfig(_Section):
     max_images: int | None = Field(
         default=None,
         ge=2,
-        description="Quick checks: only the first N images of each split in shard order (N // workers a "
-        "rank), the same images with any data.loader_workers; None = all.",
+        description="Quick checks: only the first N // scaling.num_workers images of each rank's shards of a "
+        "split, the same images with any data.loader_workers (another scaling.num_workers reads others); "
+        "None = all.",
     )
     grid_queries: int = Field(default=8, ge=0, description="Queries in the retrieval-grid plot.")
     cache_mb: int = Field(
