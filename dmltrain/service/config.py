@@ -675,7 +675,9 @@ for _model in get_args(get_args(LossConfig)[0]):
 def _is_union_member(part: object) -> bool:
     """A location step naming a union's member (loss kind, ``bool``, ``literal['auto']``), not a key."""
     return isinstance(part, str) and (
-        part in _UNION_TAGS or part in {"bool", "int", "float"} or part.startswith("literal[")
+        part in _UNION_TAGS
+        or part in {"bool", "int", "float", "str"}
+        or part.startswith(("literal[", "constrained-"))
     )
 
 
