@@ -181,7 +181,8 @@ def test_worker_environment_keys(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(path, ["scaling.worker_niceness=-5"])
     assert str(caught.value).splitlines()[1:] == [  # one line: the union's constrained member is no key
-        "  scaling.worker_niceness: Input should be 'auto' or Input should be greater than or equal to 0 (got -5)"
+        "  scaling.worker_niceness: Input should be 'auto' or Input should be greater than or equal to 0 "
+        "(got -5)"
     ]
     with pytest.raises(ConfigError, match=r"data\.loader_priority"):
         load_config(path, ["data.loader_priority=low"])
