@@ -182,19 +182,22 @@ def test_a_trial_the_local_cluster_cannot_hold_is_refused_before_ray_starts(tmp_
     (120 s here), and a trial's own launch does not count the CPUs its Tune trial holds."""
     import ray
 
-    cpus = os.cpu_count() or 1
+    started = ray.is_initialized()  # the session's in-process cluster, when an earlier test started it
+    cpus = int(ray.cluster_resources()["CPU"]) if started else os.cpu_count() or 1
+    where = {"train.steps": 2, "run.storage_path": str(tmp_path / "ray")}
     grid = {"scaling.num_workers": [1], "scaling.cpus_per_worker": [1, cpus + 1]}
-    sweep = load_sweep(_write(tmp_path / "s.yaml", _spec(grid=grid)))
+    sweep = load_sweep(_write(tmp_path / "s.yaml", _spec(overrides=where, grid=grid)))
     with pytest.raises(
         ConfigError, match=rf"sweep t, trial '.*cpus_per_worker={cpus + 1}': scaling.num_workers="
     ):
         run_sweep(sweep)
     # The trial's driver counts too when the sweep gives it CPUs.
-    one = {"scaling.num_workers": 1, "scaling.cpus_per_worker": cpus, "train.steps": 2}
+    one = {**where, "scaling.num_workers": 1, "scaling.cpus_per_worker": cpus}
     sweep = load_sweep(_write(tmp_path / "d.yaml", _spec(overrides=one, trial_resources={"CPU": 1})))
     with pytest.raises(ConfigError, match=r"\+ 1 for the trial's driver \(trial_resources\)"):
         run_sweep(sweep)
-    assert not ray.is_initialized()
+    assert ray.is_initialized() == started
+    assert not (tmp_path / "ray").exists()
 
 
 @pytest.mark.service
