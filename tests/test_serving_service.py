@@ -116,3 +116,27 @@ def test_best_checkpoint_early_stop_models_and_registry(
     stale = SimpleNamespace(checkpoint=older, best_checkpoints=[])
     final_model = publish_run_models(stale, config, uri, outcome.mlflow_run_id).models["model"]
     assert final_model == (outcome.models["model"], 4)
+
+    # A later launch that publishes a newer best_model (the step-4 checkpoint scored best) tags the one it
+    # replaces: the run listed two best_model entries, the older still carrying its score, and nothing
+    # told them apart. The best_model names the metric it was chosen by.
+    from dmltrain.service.best import SCORE_KEY
+    from dmltrain.service.serving.publish import SUPERSEDED_TAG
+    from dmltrain.service.serving.pyfunc import STEP_PARAM
+
+    newer = SimpleNamespace(
+        checkpoint=stale.checkpoint,
+        best_checkpoints=[
+            (
+                Checkpoint(str(older.path).replace(checkpoint_dir_name(2), checkpoint_dir_name(4))),
+                {SCORE_KEY: 1.0},
+            )
+        ],
+    )
+    publish_run_models(newer, config, uri, outcome.mlflow_run_id, "eval/test/map@r")
+    bests = client.search_logged_models([experiment], filter_string=f"{query} AND name = 'best_model'")
+    tags = {m.params[STEP_PARAM]: m.tags for m in bests}
+    assert sorted(tags) == ["2", "4"] and SUPERSEDED_TAG not in tags["4"]
+    newest = next(m.model_id for m in bests if m.params[STEP_PARAM] == "4")
+    assert tags["2"][SUPERSEDED_TAG] == f"{newest} (step 4)"
+    assert tags["4"]["dmltrain.best_metric"] == "eval/test/map@r"

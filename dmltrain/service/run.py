@@ -47,6 +47,7 @@ from dmltrain.service.config import (
     ConfigError,
     ExperimentConfig,
     flatten,
+    recall_ks,
     with_recall_ks,
 )
 from dmltrain.service.errors import FatalRunError, fatal_cause
@@ -377,7 +378,7 @@ def launch(
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from dmltrain.service.best import SCORE_KEY
+    from dmltrain.service.best import SCORE_KEY, resolve_best_metric
     from dmltrain.service.callbacks import StopOnFatalError
     from dmltrain.service.serving.publish import publish_run_models
     from dmltrain.service.train import train_loop_per_worker
@@ -495,7 +496,10 @@ def launch(
             raise
         if result.error is not None:
             raise result.error
-        published = publish_run_models(result, config, tracking_uri, run_id)
+        best_metric = resolve_best_metric(
+            config.train.best_metric, [e.name for e in info.evaluations], recall_ks(config, info.recall_ks)
+        )
+        published = publish_run_models(result, config, tracking_uri, run_id, best_metric)
     set_run_status(tracking_uri, run_id, "FINISHED")
     metrics = {
         metric_name(k): float(v) for k, v in (result.metrics or {}).items() if isinstance(v, int | float)

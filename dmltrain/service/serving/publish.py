@@ -27,6 +27,7 @@ log = logging.getLogger("dmltrain.service.serving.publish")
 
 FINAL_MODEL = "model"
 BEST_MODEL = "best_model"
+SUPERSEDED_TAG = "dmltrain.superseded_by"  # on a model a later launch of its run replaced
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,24 @@ def _log_checkpoint(
         )
         info = log_embedding_model(tracking, run_id, name, weights, step=state.step, tags=tags)
     log.info("logged %s (step %d) as runs:/%s/%s", name, state.step, run_id, name)
+    _mark_superseded(tracking, run_id, name, info.model_id, state.step)
     return info.model_uri, state.step
+
+
+def _mark_superseded(tracking: str, run_id: str, name: str, newest: str, step: int) -> None:
+    """Tag this run's earlier models ``name`` (a launch before a relaunch that trained further) with the
+    one that replaces them: the UI listed two `model` and two `best_model` entries, the older `best_model`
+    still carrying its score. They stay (a registered version may point at one)."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking)
+    experiment = client.get_run(run_id).info.experiment_id
+    found = client.search_logged_models(
+        experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}' AND name = '{name}'"
+    )
+    for model in found:
+        if model.model_id != newest and SUPERSEDED_TAG not in model.tags:
+            client.set_logged_model_tags(model.model_id, {SUPERSEDED_TAG: f"{newest} (step {step})"})
 
 
 def best_checkpoint(result: Any, config: ExperimentConfig) -> tuple[Any, float] | None:
@@ -115,8 +133,11 @@ def final_checkpoint(result: Any, config: ExperimentConfig, tracking: str, run_i
     return ray.train.Checkpoint(uri)
 
 
-def publish_run_models(result: Any, config: ExperimentConfig, tracking: str, run_id: str) -> Published:
-    """Log the final and best models of a finished Ray Train ``result``; register if mlflow.register_as."""
+def publish_run_models(
+    result: Any, config: ExperimentConfig, tracking: str, run_id: str, best_metric: str | None = None
+) -> Published:
+    """Log the final and best models of a finished Ray Train ``result``; register if mlflow.register_as.
+    ``best_metric``: the metric ``train.best_metric`` resolved to (``auto`` names none), for the tag."""
     models: dict[str, tuple[str, int]] = {}
     final = final_checkpoint(result, config, tracking, run_id)
     if final is not None:
@@ -124,7 +145,8 @@ def publish_run_models(result: Any, config: ExperimentConfig, tracking: str, run
     best = best_checkpoint(result, config)
     if best is not None:
         checkpoint, score = best
-        tags = {"dmltrain.best_metric": str(config.train.best_metric), "dmltrain.best_score": f"{score:.6g}"}
+        metric = best_metric or str(config.train.best_metric)
+        tags = {"dmltrain.best_metric": metric, "dmltrain.best_score": f"{score:.6g}"}
         models[BEST_MODEL] = _log_checkpoint(checkpoint, config, tracking, run_id, BEST_MODEL, tags)
     registered = None
     if config.mlflow.register_as and FINAL_MODEL in models:
