@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 
 from dmltrain.data.errors import SampleError
 from dmltrain.service.best import is_scored, worst_score
-from dmltrain.service.checkpoints import checkpoint_dir_name
+from dmltrain.service.checkpoints import checkpoint_dir_name, load_state
 from dmltrain.service.config import ExperimentConfig, flatten, load_config, to_yaml
 from dmltrain.service.tracking import start_or_resume_run
 from dmltrain.service.train import NonFiniteLossError, WorkerLoop, seed_step_randomness
@@ -199,6 +199,10 @@ def test_checkpoint_round_trip_continues_the_run(glyphs_root: Path, tmp_path: Pa
         config, run_id, uri, LocalContext(storage, restore_from=storage / "checkpoint_000000002")
     )
     assert resumed.step == 2 and resumed.stream.step == 2
+    # The time/* totals continue from the checkpoint's (they restarted at zero, the curves dropping there).
+    saved = load_state(storage / "checkpoint_000000002").extra["times"]
+    assert saved["step"] > 0 and resumed.times.seconds["step"] == saved["step"]
+    assert resumed.times.metrics()["time/loop_seconds"] >= saved["loop"]
     resumed.run()
     for key, value in resumed.net.state_dict().items():
         torch.testing.assert_close(value, final_weights[key], msg=key)

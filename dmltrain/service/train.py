@@ -186,12 +186,13 @@ class _Counters:
 
 
 class _PhaseTimes:
-    """Where this launch's wall time went on this rank, by phase (cumulative seconds).
+    """Where the run's wall time went on this rank, by phase (cumulative seconds).
 
     Logged by rank 0 as ``time/<phase>_seconds`` with every training log line, so the split between
     stepping, data, collectives, logging, checkpoints and evaluation can be read back from MLflow
     (bench/service.py does). ``comm`` is part of ``engine``; ``step`` holds data, engine and update plus
-    the step's own bookkeeping; ``loop`` is the wall time since the loop started.
+    the step's own bookkeeping; ``loop`` is the wall time of the training loop. Checkpointed: a resumed
+    run continues the totals at its checkpoint's (the curves dropped to zero at every relaunch).
     """
 
     PHASES = ("step", "data", "engine", "comm", "update", "log", "checkpoint", "eval")
@@ -222,6 +223,15 @@ class _PhaseTimes:
         out = {f"time/{k}_seconds": v for k, v in self.seconds.items()}
         out["time/loop_seconds"] = time.perf_counter() - self.start
         return out
+
+    def state_dict(self) -> dict[str, float]:
+        return {**self.seconds, "loop": time.perf_counter() - self.start}
+
+    def load_state_dict(self, state: dict[str, float] | None) -> None:
+        """Totals at a checkpoint (None: written before they were kept)."""
+        if state:
+            self.seconds.update({k: float(v) for k, v in state.items() if k in self.seconds})
+            self.start = time.perf_counter() - float(state.get("loop", 0.0))
 
 
 def _unwrap(model: nn.Module) -> EmbeddingNet:
@@ -478,6 +488,7 @@ class WorkerLoop:
             self.best.load_state_dict(state.extra.get("best"))
         if self.scaler is not None and state.extra.get("grad_scaler"):
             self.scaler.load_state_dict(state.extra["grad_scaler"])
+        self.times.load_state_dict(state.extra.get("times"))
         try:
             if stream_state is None:
                 raise ValueError(f"the checkpoint has no stream state for rank {self.rank}")
@@ -520,6 +531,7 @@ class WorkerLoop:
                         "tn_schedule": self.tn_schedule.state_dict() if self.tn_schedule else None,
                         "best": self.best.state_dict() if self.best else None,
                         "grad_scaler": self.scaler.state_dict() if self.scaler else None,
+                        "times": self.times.state_dict(),
                     },
                 ),
             )
