@@ -84,3 +84,23 @@ def test_artifacts_of_a_sqlite_store_stay_beside_it_whatever_the_working_directo
     assert create_run(uri, "my experiment/1", "store/run2", "run2", {}, segment)
     assert artifact_location("http://127.0.0.1:5000", "x") is None
     assert artifact_location("sqlite:///:memory:", "x") is None
+
+
+def test_a_run_records_who_ran_it_and_from_which_commit(tmp_path: Path) -> None:
+    """MlflowClient.create_run adds none of the context tags mlflow.start_run does: the UI's User, Source
+    and Version columns were empty, and a run did not say which code trained it."""
+    import getpass
+
+    from mlflow.utils.git_utils import get_git_commit
+
+    import dmltrain
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    segment = Segment(1, 0, "auto", {}, {"train": {"steps": 1}})
+    run_id = create_run(uri, "exp", "store/run", "run", {}, segment, tags={"mlflow.source.name": "mine"})
+    tags = MlflowClient(uri).get_run(run_id).data.tags
+    assert tags["mlflow.user"] == getpass.getuser() and tags["mlflow.source.type"] == "LOCAL"
+    assert tags["mlflow.source.name"] == "mine"  # the caller's tags win
+    commit = get_git_commit(str(Path(dmltrain.__file__).parent))
+    if commit is not None:  # an installed copy outside a checkout has none to record
+        assert tags["mlflow.source.git.commit"] == commit

@@ -266,6 +266,28 @@ def _read_yaml(client: MlflowClient, run_id: str, path: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def source_tags() -> dict[str, str]:
+    """MLflow's own context tags (user, source, its git commit), which ``mlflow.start_run`` adds and
+    ``MlflowClient.create_run`` does not: the UI's User, Source and Version columns were empty. The commit
+    is dmltrain's checkout's when the entry point is not in a repository (the ``dmltrain`` console script)."""
+    try:
+        from mlflow.tracking.context.registry import resolve_tags
+        from mlflow.utils.git_utils import get_git_branch, get_git_commit
+        from mlflow.utils.mlflow_tags import MLFLOW_GIT_BRANCH, MLFLOW_GIT_COMMIT
+
+        tags = dict(resolve_tags())
+        if MLFLOW_GIT_COMMIT not in tags:
+            package = str(Path(__file__).parents[1])
+            commit = get_git_commit(package)
+            if commit:
+                tags[MLFLOW_GIT_COMMIT] = commit
+                tags[MLFLOW_GIT_BRANCH] = get_git_branch(package) or ""
+        return {k: str(v) for k, v in tags.items() if v}
+    except Exception as error:  # context providers are best effort: a run never fails on them
+        log.debug("no MLflow context tags: %s", error)
+        return {}
+
+
 def create_run(
     tracking_uri: str,
     experiment: str,
@@ -279,7 +301,8 @@ def create_run(
     and the first segment record; ``tags`` are added (``mlflow.parentRunId`` nests it under a sweep)."""
     client = MlflowClient(tracking_uri)
     experiment_id = ensure_experiment(client, tracking_uri, experiment)
-    run = client.create_run(experiment_id, run_name=run_name, tags={**(tags or {}), RUN_KEY_TAG: key})
+    tags = {**source_tags(), **(tags or {}), RUN_KEY_TAG: key}
+    run = client.create_run(experiment_id, run_name=run_name, tags=tags)
     run_id = run.info.run_id
     items = [Param(k, v[:_MAX_PARAM_LENGTH]) for k, v in params.items()]
     for start in range(0, len(items), _BATCH):
