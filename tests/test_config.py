@@ -271,6 +271,10 @@ def test_yaml_round_trip_and_flatten(tmp_path: Path) -> None:
     assert load_config(copy) == config
     flat = flatten(config)
     assert flat["loss.name"] == "smoothap" and flat["train.steps"] == str(config.train.steps)
+    # MLflow params read as config.yaml writes the values (a search for params.data.flip = 'false' found
+    # nothing when they were Python's False/None), and an empty mapping is kept
+    assert (flat["data.flip"], flat["data.mean"], flat["model.backbone_kwargs"]) == ("false", "null", "{}")
+    assert flat["eval.ks"] == "[1, 2, 4, 8]" and flat["optim.lr"] == str(config.optim.lr)
 
 
 @pytest.mark.parametrize(

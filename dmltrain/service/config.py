@@ -7,6 +7,7 @@ MLflow and shipped to Ray workers without importing torch.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -764,15 +765,17 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
 
 
 def flatten(config: ExperimentConfig) -> dict[str, str]:
-    """Dotted ``section.key -> str`` pairs, the form MLflow params take."""
+    """Dotted ``section.key -> str`` pairs, the form MLflow params take: values as JSON (``false``,
+    ``null``, as config.yaml writes them: Python's ``False``/``None`` matched no search for them), text
+    as is, an empty mapping as ``{}`` (it was left out)."""
     out: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:
             for key, child in value.items():
                 walk(f"{prefix}.{key}" if prefix else key, child)
         else:
-            out[prefix] = str(value)
+            out[prefix] = value if isinstance(value, str) else json.dumps(value)
 
     walk("", config.model_dump(mode="json"))
     return out
