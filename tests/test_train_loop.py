@@ -292,6 +292,9 @@ def test_fp16_loop_scales_gradients_and_checkpoints_the_scaler(glyphs_root: Path
     assert scales and scales[-1] == loop.scaler.get_scale()
     tags = client.get_run(run_id).data.tags
     assert tags["dmltrain.precision"] == "fp16" and tags["dmltrain.device"].startswith("cpu")
+    # the preprocessing used, data.* left unset resolved to the backbone's (params said None)
+    assert json.loads(tags["dmltrain.preprocessing"]) == loop.preprocessing.to_dict()
+    assert json.loads(tags["dmltrain.preprocessing"])["mean"] == [0.485, 0.456, 0.406]
     assert (
         tags["dmltrain.versions"].startswith("dmltrain 0.")
         and f"torch {torch.__version__}" in tags["dmltrain.versions"]

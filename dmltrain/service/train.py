@@ -7,6 +7,7 @@ group restarts from the last one. Nothing here depends on Ray beyond the small `
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -726,6 +727,8 @@ class WorkerLoop:
             "dmltrain.worker_niceness": str(os.nice(0)),
             "dmltrain.loader_priority": self.stream.worker_priority,
             "dmltrain.versions": version_line(),  # the worker's stack, which may not be the driver's
+            # data.mean/std/interpolation/resize_mode left unset are the backbone's: the values used
+            "dmltrain.preprocessing": json.dumps(self.preprocessing.to_dict(), sort_keys=True),
         }
         for key, value in tags.items():
             self.logger.set_tag(key, value)
