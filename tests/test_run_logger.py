@@ -104,3 +104,24 @@ def test_a_run_records_who_ran_it_and_from_which_commit(tmp_path: Path) -> None:
     commit = get_git_commit(str(Path(dmltrain.__file__).parent))
     if commit is not None:  # an installed copy outside a checkout has none to record
         assert tags["mlflow.source.git.commit"] == commit
+
+
+def test_passwords_in_uris_do_not_reach_the_run(tmp_path: Path) -> None:
+    """A database tracking URI (postgresql://user:password@host/db) was stored in clear in the run's params,
+    config.yaml and segment records, readable by everyone who can read the run."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    secret = "postgresql://dml:s3cr3t@db:5432/mlflow"
+    config = {"mlflow": {"tracking_uri": secret}}
+    segment = Segment(2, 4, "must", {"mlflow.tracking_uri": ("http://a:old@x", secret)}, config)
+    run_id = create_run(uri, "exp", "store/run", "run", {"mlflow.tracking_uri": secret}, segment)
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.data.params["mlflow.tracking_uri"] == "postgresql://dml:***@db:5432/mlflow"
+    texts = [
+        Path(client.download_artifacts(run_id, name, str(tmp_path))).read_text()
+        for name in ("config.yaml", segment.artifact_name())
+    ]
+    assert all("s3cr3t" not in t and "old@" not in t and "dml:***@db" in t for t in texts), texts
+    assert (
+        "s3cr3t" not in run.data.tags["dmltrain.segments"] and "a:***@x" in run.data.tags["dmltrain.segments"]
+    )

@@ -105,6 +105,7 @@ class Segment:
         return f"segments/segment_{self.number:02d}.yaml"
 
     def to_yaml(self) -> str:
+        """The record of this launch for MLflow, passwords in URIs masked (`redact_credentials`)."""
         record = {
             "segment": self.number,
             "start_step": self.start_step,
@@ -114,11 +115,21 @@ class Segment:
             "data_fingerprint": self.data_fingerprint,
             "config": self.config,
         }
-        return yaml.safe_dump(record, sort_keys=False)
+        return redact_credentials(yaml.safe_dump(record, sort_keys=False))
 
     def summary(self) -> str:
         changes = ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in sorted(self.changed.items()))
-        return f"{self.number}@{self.start_step}" + (f" ({changes})" if changes else "")
+        return redact_credentials(f"{self.number}@{self.start_step}" + (f" ({changes})" if changes else ""))
+
+
+_URI_PASSWORD = re.compile(r"(?P<head>[A-Za-z][\w+.-]*://[^:/@\s]*):[^@/\s]*@")
+
+
+def redact_credentials(text: str) -> str:
+    """``text`` with the password of every ``scheme://user:password@host`` masked: a database tracking URI
+    (``postgresql://user:password@host/db``) went into the run's params, config.yaml and segment records in
+    clear, for everyone who can read the run."""
+    return _URI_PASSWORD.sub(r"\g<head>:***@", text)
 
 
 def artifact_location(tracking_uri: str, experiment: str) -> str | None:
@@ -304,10 +315,12 @@ def create_run(
     tags = {**source_tags(), **(tags or {}), RUN_KEY_TAG: key}
     run = client.create_run(experiment_id, run_name=run_name, tags=tags)
     run_id = run.info.run_id
-    items = [Param(k, v[:_MAX_PARAM_LENGTH]) for k, v in params.items()]
+    items = [Param(k, redact_credentials(v)[:_MAX_PARAM_LENGTH]) for k, v in params.items()]
     for start in range(0, len(items), _BATCH):
         client.log_batch(run_id, params=items[start : start + _BATCH])
-    client.log_text(run_id, yaml.safe_dump(segment.config, sort_keys=False), "config.yaml")
+    client.log_text(
+        run_id, redact_credentials(yaml.safe_dump(segment.config, sort_keys=False)), "config.yaml"
+    )
     _record_segment(client, run_id, segment, previous="")
     return run_id
 
