@@ -799,13 +799,35 @@ def test_the_server_finds_uvicorn_and_shares_the_cpus(monkeypatch: pytest.Monkey
 
     monkeypatch.setenv("PATH", "/usr/bin")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    import dmltrain.data.pools as pools
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    monkeypatch.setattr(pools, "cgroup_cpu_quota", lambda: None)
     env = server_environment(workers=4)
     assert env["PATH"].split(os.pathsep) == [str(Path(sys.executable).parent), "/usr/bin"]
     assert env["OMP_NUM_THREADS"] == "4" and server_environment(workers=32)["OMP_NUM_THREADS"] == "1"
     assert env["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] == "false"
+    # A pod's CPU limit, not the node's cores (4 CPUs on a 64-core node: 32 threads per server process)
+    monkeypatch.setattr(pools, "cgroup_cpu_quota", lambda: 4)
+    assert server_environment(workers=2)["OMP_NUM_THREADS"] == "2"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert server_environment(workers=4)["OMP_NUM_THREADS"] == "3"  # the user's setting is kept
+
+
+def test_a_containers_cpu_quota_is_read_from_either_cgroup_version(tmp_path: Path) -> None:
+    from dmltrain.data.pools import cgroup_cpu_quota
+
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir()
+    (v1 / "cpu").mkdir(parents=True)
+    for text, cpus in (("400000 100000\n", 4), ("150000 100000\n", 2), ("max 100000\n", None)):
+        (v2 / "cpu.max").write_text(text)
+        assert cgroup_cpu_quota(str(v2)) == cpus, text
+    for quota, cpus in (("250000", 3), ("-1", None)):
+        (v1 / "cpu" / "cpu.cfs_quota_us").write_text(quota + "\n")
+        (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+        assert cgroup_cpu_quota(str(v1)) == cpus, quota
+    assert cgroup_cpu_quota(str(tmp_path / "none")) is None
 
 
 def test_serve_refuses_an_address_it_cannot_listen_on(

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from dmltrain.data.pools import available_cpus
 from dmltrain.service.serving.indexing import check_built_with, index_directory
 from dmltrain.service.serving.loading import located
 from dmltrain.service.serving.pyfunc import save_pyfunc
@@ -65,7 +66,7 @@ def server_environment(workers: int = 1) -> dict[str, str]:
     in every one of them) unless OMP_NUM_THREADS says otherwise."""
     env = dict(os.environ)
     env.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, available_cpus(limit=1 << 16) // workers)))
     scripts = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([scripts, env["PATH"]]) if env.get("PATH") else scripts
     return env
