@@ -23,7 +23,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import tomllib
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the dev extra installs tomli
+    import tomli as tomllib
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
