@@ -70,11 +70,16 @@ def test_folder_round_trip_reports_corrupt_and_singleton(
     assert info.evaluations[0].query == "test" and info.evaluations[0].gallery is None
 
 
-def test_prepare_is_idempotent_and_deterministic(tmp_path: Path) -> None:
-    src = tmp_path / "src"
+def three_classes_of_four(src: Path) -> Path:
+    """A folder source of 3 classes x 4 PNG images."""
     for c in range(3):
         for i in range(4):
             write_image(src / f"c{c}" / f"{i}.png", c * 10 + i, "PNG")
+    return src
+
+
+def test_prepare_is_idempotent_and_deterministic(tmp_path: Path) -> None:
+    src = three_classes_of_four(tmp_path / "src")
     out = tmp_path / "out"
     prepare("folder", str(src), out, shard_size=4, progress=False)
     shards = sorted(out.glob("*.tar"))
@@ -92,10 +97,7 @@ def test_prepare_is_idempotent_and_deterministic(tmp_path: Path) -> None:
 def test_a_build_never_replaces_other_files_or_another_kind_of_data_set(tmp_path: Path) -> None:
     """`data.prepare: glyphs` with data.root at the user's own data set rebuilt it as glyphs (its shards
     replaced, the rest deleted), and a typo'd root such as /tmp got 128 shards among its files."""
-    src = tmp_path / "src"
-    for c in range(3):
-        for i in range(4):
-            write_image(src / f"c{c}" / f"{i}.png", c * 10 + i, "PNG")
+    src = three_classes_of_four(tmp_path / "src")
     mine = tmp_path / "mine"
     prepare("folder", str(src), mine, shard_size=4, progress=False)
     before = {p.name: p.read_bytes() for p in mine.iterdir() if p.suffix in (".tar", ".json")}
@@ -119,10 +121,7 @@ def test_a_re_run_repairs_a_build_that_lost_or_cut_a_shard(
 ) -> None:
     """The same options again used to say "up to date" over a deleted or truncated shard: a re-run is
     how a user repairs a copy, so the build is checked file by file and rebuilt when a shard is off."""
-    src = tmp_path / "src"
-    for c in range(3):
-        for i in range(4):
-            write_image(src / f"c{c}" / f"{i}.png", c * 10 + i, "PNG")
+    src = three_classes_of_four(tmp_path / "src")
     out = tmp_path / "out"
     info = prepare("folder", str(src), out, shard_size=4, progress=False)
     shards = [out / s.name for s in info.splits["train"].shards]
