@@ -251,17 +251,24 @@ def _iter_ranks(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     gt = g.T.contiguous() if g.device.type != "cpu" else g.T
-    # Every block is a product of a multiple of _BLOCK_ROWS query rows (padded with its last query): on the
-    # CPU, products of fewer than 12 rows that are not a multiple of 4 take kernels that gave identical
-    # gallery items similarities one bit apart, so exact duplicates stopped tying and the tie rule failed
-    # for them (the last block of 4097 queries, or a small chunk_size).
+    # Every block is a product of a multiple of _BLOCK_ROWS query rows (padded with its last query) and at
+    # least _BLOCK_ROWS gallery columns (a small gallery padded with zeros): on the CPU, products of fewer
+    # than 12 rows or columns that are not a multiple of 4 take kernels that gave identical items
+    # similarities one bit apart, so exact duplicates stopped tying and the tie rule failed for them (the
+    # last block of 4097 queries, a small chunk_size, a gallery of 6 or 9 items).
+    chunk_size = max(_BLOCK_ROWS, chunk_size // _BLOCK_ROWS * _BLOCK_ROWS)
+    width = max(n_g, _BLOCK_ROWS)
+    if width > n_g:
+        gt = torch.cat([gt, gt.new_zeros(gt.shape[0], width - n_g)], dim=1)
     rows = -(-min(chunk_size, len(valid)) // _BLOCK_ROWS) * _BLOCK_ROWS
-    block = torch.empty((rows, n_g), dtype=torch.float32, device=g.device)
+    block = torch.empty((rows, width), dtype=torch.float32, device=g.device)
     for lo in range(0, len(valid), chunk_size):
         qi = valid[lo : lo + chunk_size]
         b = len(qi)
         padded = np.pad(qi, (0, -(-b // _BLOCK_ROWS) * _BLOCK_ROWS - b), mode="edge")
         s_t = torch.mm(q[torch.as_tensor(padded, device=q.device)], gt, out=block[: len(padded)])[:b]
+        if width > n_g:
+            s_t = s_t[:, :n_g].contiguous()
         rp = num_pos[qi]
         w = int(count[q_cls[qi]].max())  # gathered width: the whole class (self included in leave-one-out)
         offs = np.arange(w)
@@ -392,9 +399,10 @@ def retrieval_metrics(
     ``r_precision``, ``num_queries`` (queries averaged over) and ``num_queries_without_positive``
     (excluded from the means). Ties are ranked pessimistically (see the module docstring). Inputs are
     torch tensors or numpy arrays; computation is float32 on ``device`` (default: CUDA when available),
-    ``chunk_size`` queries at a time (default: blocks of ~256 MiB, at least 16 rows), and the result does
-    not depend on it beyond float rounding (a block's shape can change a similarity's last bit, and so
-    whether two nearly equal items tie; exact duplicates always tie).
+    ``chunk_size`` queries at a time (default: blocks of ~256 MiB; rounded down to a multiple of 16, at
+    least 16), and the result does not depend on it beyond float rounding (a block's shape can change a
+    similarity's last bit, and so whether two nearly equal items tie; exact duplicates tie, as measured on
+    x86 CPUs).
     """
     return _retrieval_metrics(
         query_embeddings, query_labels, gallery_embeddings, gallery_labels, ks, chunk_size, device, "auto"

@@ -620,7 +620,8 @@ def approximate_retrieval_metrics(
     deeper = int((r[valid] > k).sum())
     out["search_depth"] = k
     out["num_queries_deeper_than_search"] = deeper
-    if deeper or max(ks) > k:
+    beyond = max(ks) > k and k == max_k  # a K past a gallery smaller than it is exact, not a bound
+    if deeper or beyond:
         log.warning(
             "faiss %s search depth %d: MAP@R and R-precision of %d of %d queries (classes of more than %d "
             "gallery items)%s are lower bounds; the exact ranking (eval.index=exact) has no depth",
@@ -629,7 +630,7 @@ def approximate_retrieval_metrics(
             deeper,
             int(valid.sum()),
             k,
-            f" and recall@{max(ks)}" if max(ks) > k else "",
+            f" and recall@{max(ks)}" if beyond else "",
         )
     # How close the index is to exact search, on a sample of queries.
     rk = int(min(recall_k, len(g) - extra))

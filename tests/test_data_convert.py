@@ -114,6 +114,13 @@ def test_a_build_never_replaces_other_files_or_another_kind_of_data_set(tmp_path
         prepare("folder", str(src), busy, shard_size=4, progress=False)
     assert sorted(p.name for p in busy.iterdir()) == [".hidden", "notes.txt"]
     assert cli_main(["prepare", "folder", str(src), str(busy), "--quiet"]) == 2
+    # A fresh volume's root (lost+found) is empty enough; shards of any split name are a build's own.
+    volume = tmp_path / "volume"
+    (volume / "lost+found").mkdir(parents=True)
+    prepare("folder", str(src), volume, shard_size=4, progress=False)
+    (volume / "val-1-00000.tar").write_bytes(b"")  # a split named val-1 (a CSV's split column)
+    prepare("folder", str(src), volume, shard_size=4, progress=False, force=True)
+    assert not (volume / "val-1-00000.tar").exists()  # no longer listed: removed as stale
 
 
 def test_a_re_run_repairs_a_build_that_lost_or_cut_a_shard(
@@ -466,6 +473,17 @@ def test_small_glyph_build(tmp_path: Path) -> None:
     assert info.num_classes == 40 and info.splits["train"].num_classes == 20
     image = Image.open(__import__("io").BytesIO(next(read_shard(info.shard_urls(tmp_path, "train")[0])).data))
     assert image.size == (32, 32)
+
+
+def test_an_evaluation_of_a_split_without_images_is_left_out_and_said(tmp_path: Path) -> None:
+    """--test-fraction 0 wrote an evaluation of a 'test' split that has no images; dataset.json now
+    refuses that on read, so the build leaves the evaluation out with a note instead."""
+    info = prepare(
+        "glyphs", "-", tmp_path, min_faces=12, image_size=32, max_classes=8, test_fraction=0.0, progress=False
+    )
+    assert info.evaluations == [] and "test" not in info.splits
+    assert "evaluation 'test' left out: split 'test' has no images" in info.notes
+    assert load_dataset_info(tmp_path) == info
 
 
 def test_glyph_build_same_with_worker_processes(tmp_path: Path) -> None:

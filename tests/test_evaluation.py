@@ -181,13 +181,13 @@ def test_ties_are_resolved_pessimistically():
 @pytest.mark.parametrize("chunk_size", [None, 1, 3, 5])
 def test_exact_duplicates_tie_in_every_block_shape(chunk_size: int | None) -> None:
     """A query's copy among the negatives ties with its copy among the positives whatever block computes
-    it: a last block of one row (4,097 queries) or small blocks took CPU kernels that put the two one bit
-    apart, and the positive often won the tie."""
+    it: a last block of one row (4,097 queries), small blocks or a gallery of a few items took CPU kernels
+    that put the two one bit apart, and the positive often won the tie."""
     rng = np.random.default_rng(0)
     misses = 0
-    for _ in range(6):
+    for n_g in (4098, 4098, 4098, 6, 9, 9):
         v = rng.standard_normal(64).astype(np.float32)
-        g = rng.standard_normal((4098, 64)).astype(np.float32)
+        g = rng.standard_normal((n_g, 64)).astype(np.float32)
         g_labels = rng.integers(2, 50, len(g))
         g[0], g_labels[0] = v, 1  # a negative copy early in the gallery
         g[-1], g_labels[-1] = v, 0  # the positive copy in its last column

@@ -139,6 +139,10 @@ def test_an_evaluation_no_query_can_answer_is_refused_before_any_worker(glyphs_r
         update={"splits": {**info.splits, "test": test.model_copy(update={"shards": ones})}}
     )
     assert "every class of split 'test' has one image" in _one_line_error(check_data, base, singles)
+    # One image of each class in each of two shards (--group-size 1) is two images per class: answerable
+    twin = test.shards[1].model_copy(update={"class_counts": ones[0].class_counts})
+    spread = test.model_copy(update={"shards": [ones[0], twin]})
+    check_data(base, info.model_copy(update={"splits": {**info.splits, "test": spread}}))
     apart = info.model_copy(update={"evaluations": [Evaluation(name="qg", query="test", gallery="train")]})
     assert _one_line_error(check_data, base, apart).endswith(
         "evaluation 'qg': no class of split 'test' has an image in split 'train'"

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 PROGRESS_NAME = ".dmltrain-prepare.json"
 LOCK_NAME = ".dmltrain.lock"
-_SHARD_RE = re.compile(r"^(?P<split>[\w.]+)-\d{5}\.tar$")
+_SHARD_RE = re.compile(r"^.+-\d{5}\.tar$")  # any split's name (`val-1` too)
 
 
 @contextlib.contextmanager
@@ -406,6 +406,15 @@ def _build_info(
             singleton_classes=sorted(c for c, n in counts.items() if n == 1),
             empty_classes=sorted(listed[split] - set(counts)),
         )
+    # An evaluation of a split that got no image (`--test-fraction 0`, an empty test list) cannot run:
+    # left out and said so, not written into a dataset.json that fails on read.
+    evaluations, notes = [], list(source.notes)
+    for evaluation in source.evaluations:
+        missing = [s for s in (evaluation.query, evaluation.gallery) if s is not None and s not in splits]
+        if missing:
+            notes.append(f"evaluation {evaluation.name!r} left out: split {missing[0]!r} has no images")
+        else:
+            evaluations.append(evaluation)
     return DatasetInfo(
         name=source.name,
         source_format=source_format,
@@ -415,11 +424,11 @@ def _build_info(
         class_names=sorted(class_ids, key=class_ids.__getitem__),
         class_to_category=class_category,
         category_names=sorted(category_ids, key=category_ids.__getitem__),
-        evaluations=source.evaluations,
+        evaluations=evaluations,
         recall_ks=source.recall_ks,
         sampling_hints=source.sampling_hints,
         skipped=skipped,
-        notes=source.notes,
+        notes=notes,
     )
 
 
@@ -483,9 +492,10 @@ def _report_unanswerable_queries(info: DatasetInfo, evaluation: Evaluation) -> N
 
 
 def _ours(name: str) -> bool:
-    """A file a build writes: dataset.json, shards, the progress record, the lock, their temporary files."""
+    """A file a build writes: dataset.json, shards, the progress record, the lock, their temporary files
+    (and `lost+found`, which a fresh volume's root holds)."""
     return (
-        name in (METADATA_NAME, PROGRESS_NAME, LOCK_NAME, f"{PROGRESS_NAME}.tmp")
+        name in (METADATA_NAME, PROGRESS_NAME, LOCK_NAME, f"{PROGRESS_NAME}.tmp", "lost+found")
         or name.startswith(f"{METADATA_NAME}.tmp-")
         or bool(_SHARD_RE.match(name))
         or ".tar.tmp-" in name

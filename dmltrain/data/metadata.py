@@ -156,7 +156,10 @@ def evaluation_problem(info: DatasetInfo, evaluation: Evaluation) -> str | None:
     first evaluation, on every worker, as an error that named no split (and retried it)."""
 
     def classes(split: str) -> Counter[int]:
-        return Counter({c: n for shard in info.split(split).shards for c, n in shard.class_counts})
+        counts: Counter[int] = Counter()
+        for shard in info.split(split).shards:  # a class's images may spread over several shards
+            counts.update(dict(shard.class_counts))
+        return counts
 
     query, gallery = evaluation.query, evaluation.gallery
     for split in filter(None, (query, gallery)):

@@ -537,10 +537,10 @@ class ExperimentConfig(_Section):
                 f"loss.triplets=sampled scores the triplet sampler's triplets but sampler.name is "
                 f"{self.sampler.name!r}: set sampler.name=triplet, or loss.triplets=all"
             )
-        if self.optim.warmup_steps >= self.train.steps:
+        if self.optim.warmup_steps > self.train.steps:
             raise ValueError(
-                f"optim.warmup_steps={self.optim.warmup_steps} is not below train.steps={self.train.steps}: "
-                "the learning rate would never reach optim.lr"
+                f"optim.warmup_steps={self.optim.warmup_steps} is longer than train.steps="
+                f"{self.train.steps}: the learning rate would never reach optim.lr"
             )
         if self.model.multilevel and self.loss.name == "triplet":
             raise ValueError(

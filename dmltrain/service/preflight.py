@@ -57,6 +57,8 @@ def check_config(config: ExperimentConfig) -> None:
     except (ValueError, FileNotFoundError, MissingExtraError) as error:  # messages start with the key
         raise ConfigError(_one_line(error)) from None
     except TypeError as error:  # a keyword the backbone's constructor does not take
+        if not config.model.backbone_kwargs:
+            raise
         raise ConfigError(
             f"model.backbone_kwargs={config.model.backbone_kwargs}: {_one_line(error)}"
         ) from None

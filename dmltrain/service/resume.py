@@ -18,6 +18,7 @@ whether the driver lets it.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -25,7 +26,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from dmltrain.service.config import ConfigError, ExperimentConfig, flatten
-from dmltrain.service.tracking import HEARTBEAT_STALE_SECONDS, ExistingRun
+from dmltrain.service.tracking import HEARTBEAT_STALE_SECONDS, ExistingRun, redact_credentials
 
 # Keys a resumed run may change: length, cadence, fault tolerance and pure execution settings that leave the
 # trained model unchanged (chunk_size: the engine computes the same global-batch gradient whatever it is,
@@ -88,6 +89,10 @@ def config_changes(old: dict[str, Any], new: ExperimentConfig) -> dict[str, tupl
         before = _flatten_raw(old)
         before.setdefault("<stored config>", f"invalid now ({error.error_count()} errors)")
     after = flatten(new)
+    # Compared as recorded: the stored config has passwords in URIs masked (a data.root with one was a
+    # change on every relaunch, and refused under auto).
+    before = {k: redact_credentials(v) for k, v in before.items()}
+    after = {k: redact_credentials(v) for k, v in after.items()}
     keys = sorted(set(before) | set(after))
     return {k: (before.get(k), after.get(k)) for k in keys if before.get(k) != after.get(k)}
 
@@ -99,7 +104,7 @@ def _flatten_raw(raw: dict[str, Any], prefix: str = "") -> dict[str, str]:
         if isinstance(value, dict):
             out.update(_flatten_raw(value, name))
         else:
-            out[name] = str(value)
+            out[name] = value if isinstance(value, str) else json.dumps(value)  # as `flatten` writes values
     return out
 
 

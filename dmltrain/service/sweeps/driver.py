@@ -49,7 +49,13 @@ from dmltrain.service.run import check_cluster, connect_ray, local_node_cpus, lo
 from dmltrain.service.sweeps.spec import Sweep, Trial
 from dmltrain.service.sweeps.summary import TrialResult, collect, log_summary, order, summary_markdown
 from dmltrain.service.sweeps.trial import BASELINE_TAG, SWEEP_KEY_TAG, SWEEP_TAG, child_tags, run_trial
-from dmltrain.service.tracking import RunLogger, ensure_experiment, resolve_tracking_uri, set_run_status
+from dmltrain.service.tracking import (
+    RunLogger,
+    ensure_experiment,
+    redact_credentials,
+    resolve_tracking_uri,
+    set_run_status,
+)
 
 log = logging.getLogger("dmltrain.service.sweeps")
 
@@ -168,10 +174,10 @@ def _parent_run(sweep: Sweep, trials: Sequence[Trial], tracking_uri: str, key: s
     client.log_param(run_id, "sweep.file", str(sweep.source))
     client.log_param(run_id, "sweep.base", sweep.spec.base)
     client.log_param(run_id, "sweep.trials", len(trials))
-    client.log_text(run_id, sweep.source.read_text(), "sweep.yaml")
+    client.log_text(run_id, redact_credentials(sweep.source.read_text()), "sweep.yaml")
     listing = [{"label": t.label, "run.name": t.config.run.name, "overrides": t.overrides} for t in trials]
     listing = json.loads(json.dumps(listing))  # trials share override values: no YAML anchors/aliases
-    client.log_text(run_id, yaml.safe_dump(listing, sort_keys=False), "trials.yaml")
+    client.log_text(run_id, redact_credentials(yaml.safe_dump(listing, sort_keys=False)), "trials.yaml")
     return run_id, False
 
 
@@ -199,7 +205,7 @@ def _baselines(sweep: Sweep, trial: Trial, tracking_uri: str, parent_run_id: str
             run_name=f"{sweep.spec.name}.{name}",
             tags={**child_tags(parent_run_id, sweep.spec.name, label), BASELINE_TAG: tag},
         )
-        client.log_param(run.info.run_id, "data.root", trial.config.data.root)
+        client.log_param(run.info.run_id, "data.root", redact_credentials(trial.config.data.root))
         client.log_param(run.info.run_id, "data.image_size", str(trial.config.data.image_size))
         try:
             metrics = pixel_baseline(trial.config, RunLogger(tracking_uri, run.info.run_id))
