@@ -121,6 +121,15 @@ def test_a_build_never_replaces_other_files_or_another_kind_of_data_set(tmp_path
     (volume / "val-1-00000.tar").write_bytes(b"")  # a split named val-1 (a CSV's split column)
     prepare("folder", str(src), volume, shard_size=4, progress=False, force=True)
     assert not (volume / "val-1-00000.tar").exists()  # no longer listed: removed as stale
+    # A dataset.json this version refuses (hand-edited totals) is one line naming the way out.
+    raw = json.loads((volume / "dataset.json").read_text())
+    raw["splits"]["train"]["num_samples"] += 1
+    (volume / "dataset.json").write_text(json.dumps(raw))
+    with pytest.raises(
+        ValueError, match=r"is not a valid dataset.json .*`dmltrain prepare --force` rebuilds"
+    ):
+        prepare("folder", str(src), volume, shard_size=4, progress=False)
+    prepare("folder", str(src), volume, shard_size=4, progress=False, force=True)
 
 
 def test_a_re_run_repairs_a_build_that_lost_or_cut_a_shard(

@@ -97,7 +97,14 @@ def prepare_dataset(
         existing = out / METADATA_NAME
         old = None
         if existing.is_file() and not force:
-            old = DatasetInfo.model_validate(json.loads(existing.read_text()))
+            try:
+                old = DatasetInfo.model_validate(json.loads(existing.read_text()))
+            except ValueError as error:  # pydantic's and json's: several lines, no way out named
+                first = " ".join(str(error).split())[:300]
+                raise ValueError(
+                    f"{existing} is not a valid dataset.json ({first}): `dmltrain prepare --force` "
+                    "rebuilds it"
+                ) from None
         if old is not None and old.source_format != source_format:
             # `data.prepare: glyphs` with data.root naming the user's own data set rebuilt it as glyphs.
             raise FileExistsError(
