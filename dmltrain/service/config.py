@@ -667,10 +667,18 @@ KEEP_FREED_MEMORY_ENV: dict[str, str] = {
 
 _NO_INPUT = object()
 _UNION_TAGS = {"fastap", "smoothap", "rll", "triplet"}
-_LOSS_KEYS: dict[str, set[str]] = {}  # a loss option -> the loss.name values that take it
-for _model in get_args(get_args(LossConfig)[0]):
-    for _key in _model.model_fields:
-        _LOSS_KEYS.setdefault(_key, set()).update(get_args(_model.model_fields["name"].annotation))
+
+
+def _loss_keys() -> dict[str, set[str]]:
+    """A loss option -> the ``loss.name`` values that take it."""
+    out: dict[str, set[str]] = {}
+    for model in get_args(get_args(LossConfig)[0]):
+        for key in model.model_fields:
+            out.setdefault(key, set()).update(get_args(model.model_fields["name"].annotation))
+    return out
+
+
+_LOSS_KEYS = _loss_keys()
 
 
 def _is_union_member(part: object) -> bool:
@@ -765,19 +773,24 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
 
 
 def flatten(config: ExperimentConfig) -> dict[str, str]:
-    """Dotted ``section.key -> str`` pairs, the form MLflow params take: values as JSON (``false``,
-    ``null``, as config.yaml writes them: Python's ``False``/``None`` matched no search for them), text
-    as is, an empty mapping as ``{}`` (it was left out)."""
+    """Dotted ``section.key -> str`` pairs, the form MLflow params take (`flatten_mapping`)."""
+    return flatten_mapping(config.model_dump(mode="json"))
+
+
+def flatten_mapping(raw: Mapping[str, Any]) -> dict[str, str]:
+    """Dotted ``section.key -> str`` pairs of a config's raw mapping: values as JSON (``false``, ``null``,
+    as config.yaml writes them: Python's ``False``/``None`` matched no search for them), text as is, an
+    empty mapping as ``{}`` (it was left out)."""
     out: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict) and value:
+        if isinstance(value, Mapping) and value:
             for key, child in value.items():
-                walk(f"{prefix}.{key}" if prefix else key, child)
+                walk(f"{prefix}.{key}" if prefix else str(key), child)
         else:
             out[prefix] = value if isinstance(value, str) else json.dumps(value)
 
-    walk("", config.model_dump(mode="json"))
+    walk("", raw)
     return out
 
 

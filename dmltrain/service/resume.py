@@ -18,14 +18,13 @@ whether the driver lets it.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from dmltrain.service.config import ConfigError, ExperimentConfig, flatten
+from dmltrain.service.config import ConfigError, ExperimentConfig, flatten, flatten_mapping
 from dmltrain.service.tracking import HEARTBEAT_STALE_SECONDS, ExistingRun, redact_credentials
 
 # Keys a resumed run may change: length, cadence, fault tolerance and pure execution settings that leave the
@@ -86,7 +85,7 @@ def config_changes(old: dict[str, Any], new: ExperimentConfig) -> dict[str, tupl
         before = flatten(ExperimentConfig.model_validate(old))
     except ValidationError as error:
         # A config this version no longer accepts: compare what is there, key by key.
-        before = _flatten_raw(old)
+        before = flatten_mapping(old)
         before.setdefault("<stored config>", f"invalid now ({error.error_count()} errors)")
     after = flatten(new)
     # Compared as recorded: the stored config has passwords in URIs masked (a data.root with one was a
@@ -95,17 +94,6 @@ def config_changes(old: dict[str, Any], new: ExperimentConfig) -> dict[str, tupl
     after = {k: redact_credentials(v) for k, v in after.items()}
     keys = sorted(set(before) | set(after))
     return {k: (before.get(k), after.get(k)) for k in keys if before.get(k) != after.get(k)}
-
-
-def _flatten_raw(raw: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
-    for key, value in raw.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, dict):
-            out.update(_flatten_raw(value, name))
-        else:
-            out[name] = value if isinstance(value, str) else json.dumps(value)  # as `flatten` writes values
-    return out
 
 
 def _describe(changes: dict[str, tuple[str | None, str | None]]) -> str:
