@@ -49,18 +49,22 @@ def _already_logged(tracking: str, run_id: str, name: str, step: int) -> str | N
     from mlflow.entities import LoggedModelStatus
 
     client = mlflow.MlflowClient(tracking)
-    experiment = client.get_run(run_id).info.experiment_id
-    found = client.search_logged_models(
-        experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}' AND name = '{name}'"
-    )
     ready = None
-    for model in found:
+    for model in _run_models(client, run_id, name):
         if model.status == LoggedModelStatus.PENDING:
             client.delete_logged_model(model.model_id)
             log.info("deleted %s (%s): left unfinished by an earlier publish", name, model.model_id)
         elif model.status == LoggedModelStatus.READY and model.params.get(STEP_PARAM) == str(step):
             ready = ready or model.model_uri
     return ready
+
+
+def _run_models(client: Any, run_id: str, name: str) -> list[Any]:
+    """The logged models ``name`` of run ``run_id``, whatever their status."""
+    experiment = client.get_run(run_id).info.experiment_id
+    return client.search_logged_models(
+        experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}' AND name = '{name}'"
+    )
 
 
 def _log_checkpoint(
@@ -92,11 +96,7 @@ def _mark_superseded(tracking: str, run_id: str, name: str, newest: str, step: i
     import mlflow
 
     client = mlflow.MlflowClient(tracking)
-    experiment = client.get_run(run_id).info.experiment_id
-    found = client.search_logged_models(
-        experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}' AND name = '{name}'"
-    )
-    for model in found:
+    for model in _run_models(client, run_id, name):
         if model.model_id != newest and SUPERSEDED_TAG not in model.tags:
             client.set_logged_model_tags(model.model_id, {SUPERSEDED_TAG: f"{newest} (step {step})"})
 
