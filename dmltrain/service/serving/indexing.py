@@ -24,7 +24,9 @@ from dmltrain.data import EvalLoader, load_dataset_info
 from dmltrain.data.shards import read_shard
 from dmltrain.data.urls import is_local, local_path
 from dmltrain.index import (
+    INDEX_FILE,
     INDEX_FILES,
+    META_FILE,
     IdMap,
     StoredIndex,
     build_index,
@@ -179,7 +181,7 @@ def check_index_target(target: Path) -> None:
     if not target.is_dir():
         raise FileExistsError(f"--out {target}: exists and is not a folder")
     entries = list(target.iterdir())
-    if entries and not ((target / "index.json").is_file() and (target / "index.faiss").is_file()):
+    if entries and not ((target / META_FILE).is_file() and (target / INDEX_FILE).is_file()):
         shown = ", ".join(sorted(p.name for p in entries)[:5])
         raise FileExistsError(
             f"--out {target}: a folder with other files ({shown}{' ...' if len(entries) > 5 else ''}); "
