@@ -44,7 +44,7 @@ class _FastAPKernel:
         has_self = block.self_col >= 0
         rows_with_self = torch.nonzero(has_self).squeeze(1)
         t[rows_with_self, block.self_col[rows_with_self]] = L + 2.0
-        t_min = on_first_centre(t, float(t.amin().item()) if t.numel() else 0.0, L)
+        t_min = on_first_centre(t, L)
         # The mass an item puts into bins <= l (sum of the triangles relu(1 - |t - k|), k <= l) is
         # clamp(l + 1 - t, 0, 1) - clamp(-t, 0, 1); the second part only exists for t < 0 (outside [0, 4]).
         # Sums of non-negative terms only, so no cancellation in float32 however large the gallery. Bins
@@ -109,16 +109,19 @@ class _FastAPKernel:
         add_at_columns(jac, pos_cols, pos_grad, where=pos_real)
 
 
-def on_first_centre(t: Tensor, t_min: float, num_bins: int) -> float:
+def on_first_centre(t: Tensor, num_bins: int) -> float:
     """Put the items within rounding of the first bin centre (t = 0: similarity 1, a duplicate of the query)
-    on it, in place; returns the new minimum.
+    on it, in place; returns the minimum of ``t`` (0 for an empty one) after that.
 
     The triangle kernel has a kink at every centre, and at t = 0 a third slope (t < 0 only exists through
     rounding for normalised inputs): a duplicate's gradient depended on the last bit of its similarity,
     which differs between two products of the same vectors (row blocks, column tiles, GPU kernels) and was
-    several times the whole gradient's size. Free when no item is that close (t_min tells)."""
+    several times the whole gradient's size. One pass more only when some item is that close."""
+    if t.numel() == 0:
+        return 0.0
+    t_min = float(t.amin().item())
     snap = _CENTRE_ULPS * torch.finfo(t.dtype).eps * num_bins
-    if t_min >= snap or t.numel() == 0:
+    if t_min >= snap:
         return t_min
     t.masked_fill_(t.abs() < snap, 0.0)
     return float(t.amin().item())
@@ -160,7 +163,7 @@ class _FastAPStream:
         t_max = float(t.amax().item()) if t.numel() else 0.0
         rows, cols = tile.self_hits(group)
         t[rows, cols] = L + 2.0
-        t_min = on_first_centre(t, float(t.amin().item()) if t.numel() else 0.0, L)
+        t_min = on_first_centre(t, L)
         return t, t_max, t_min, rows
 
     def add_tile(self, state: _FastAPState, group: RowGroup, tile: ColumnTile, walk: int) -> None:
@@ -187,7 +190,7 @@ class _FastAPStream:
         n_pos, valid = group.n_pos, group.n_pos > 0
         cum_all = state.cum_all - state.below_zero
         t_pos = torch.where(group.pos_real, state.pos_values.mul(-L / 2).add_(L / 2), L + 2.0)
-        on_first_centre(t_pos, float(t_pos.amin().item()) if t_pos.numel() else 0.0, L)
+        on_first_centre(t_pos, L)
         cum_pos = torch.stack([torch.rsub(t_pos, level + 1).clamp_(0, 1).sum(1) for level in range(L + 1)], 1)
         cum_pos -= t_pos.neg().clamp_(0, 1).sum(1, keepdim=True)
         h_pos = torch.diff(cum_pos, dim=1, prepend=torch.zeros_like(cum_pos[:, :1]))
