@@ -41,9 +41,8 @@ def image_tensor(image: Any, what: str = "image", max_pixels: int | None = None)
     if isinstance(image, bytes | bytearray | memoryview):
         data = bytes(image)
         size = _header_size(data, what, max_pixels)
-        if (
-            size is None
-        ):  # no image PIL knows: base64 text that arrived as bytes (MLflow's inputs / instances)
+        # no image PIL knows: base64 text that arrived as bytes (MLflow's inputs / instances)
+        if size is None:
             decoded = _from_base64(data)
             if decoded:
                 data, size = decoded, _header_size(decoded, what, max_pixels)
