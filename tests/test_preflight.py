@@ -12,7 +12,13 @@ import pytest
 
 from dmltrain.models import build_model
 from dmltrain.service.config import ConfigError, ExperimentConfig, load_config, recall_ks, with_recall_ks
-from dmltrain.service.preflight import check_config, check_data, load_data, short_pieces_note
+from dmltrain.service.preflight import (
+    check_config,
+    check_data,
+    evaluated_train_split_note,
+    load_data,
+    short_pieces_note,
+)
 
 REPO = Path(__file__).parents[1]
 
@@ -115,6 +121,19 @@ def test_a_batch_in_parts_that_are_not_multiples_of_k_is_announced(glyphs_root: 
     assert _note(big_k, info) == (
         f"sampler.samples_per_class=64, but no train class has more than {largest} images in one shard: "
         "every class enters a batch whole, with fewer than 64 images"
+    )
+
+
+def test_training_on_an_evaluated_split_is_announced(glyphs_root: Path) -> None:
+    """`data.train_split=test` trained on the held-out classes; the metrics read as held-out figures."""
+    base = [f"data.root={glyphs_root}", "data.prepare=null"]
+    info = load_data(_config(*base))
+    assert evaluated_train_split_note(_config(*base), info) is None
+    names = [e.name for e in info.evaluations if "test" in (e.query, e.gallery)]
+    assert names
+    assert evaluated_train_split_note(_config(*base, "data.train_split=test"), info) == (
+        f"data.train_split=test is also read by evaluation(s) {', '.join(names)}: their metrics measure "
+        "images the model trains on, not held-out ones"
     )
 
 

@@ -165,6 +165,23 @@ def short_pieces_note(config: ExperimentConfig, plan: TrainPlan) -> str | None:
     )
 
 
+def evaluated_train_split_note(config: ExperimentConfig, info: DatasetInfo) -> str | None:
+    """One line for the start of a run that trains on a split one of its evaluations reads, else None.
+
+    Retrieval benchmarks test on classes never trained on; metrics of a trained-on split measure how well
+    the model fits its training data instead, which a user who set ``data.train_split=test`` by mistake (or
+    for a quick check) should hear before reading them as held-out figures.
+    """
+    split = config.data.train_split
+    names = [e.name for e in info.evaluations if split in (e.query, e.gallery)]
+    if not names:
+        return None
+    return (
+        f"data.train_split={split} is also read by evaluation(s) {', '.join(names)}: their metrics measure "
+        "images the model trains on, not held-out ones"
+    )
+
+
 # Tracking stores reached over the network, by scheme (SQLAlchemy's "postgresql+psycopg2" counts as
 # "postgresql"), with the port a URI without one means.
 _DEFAULT_PORTS = {

@@ -56,6 +56,7 @@ from dmltrain.service.preflight import (
     check_config,
     check_data,
     check_outputs,
+    evaluated_train_split_note,
     expected_decode,
     load_data,
     shared_memory_config_problem,
@@ -403,7 +404,12 @@ def launch(
         if problem:
             raise ConfigError(problem)
 
-    for note in (batchnorm_note(config), short_pieces_note(config, batch_plan)):
+    notes = (
+        batchnorm_note(config),
+        short_pieces_note(config, batch_plan),
+        evaluated_train_split_note(config, info),
+    )
+    for note in notes:
         if note:
             log.warning(note)
 
