@@ -255,6 +255,28 @@ def test_shared_path_check_names_what_another_node_sees_differently(
     assert list((tmp_path / "ray").iterdir()) == []  # the token file is removed
 
 
+def test_shared_path_check_names_an_experiment_whose_artifacts_stay_on_the_driver(
+    ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database tracking store passed the checks while the experiment's artifact location was a path on
+    the driver's disk: rank 0 on another node wrote plots, checkpoints and models to its own disk."""
+    config = load_config(
+        QUICKSTART,
+        ["data.root=s3://bucket/data", "run.storage_path=s3://bucket/runs", "mlflow.experiment=e1"],
+    )
+    view = ClusterView.from_ray_nodes(ray_cluster.nodes(), attached=False, driver_node_id="the-driver")
+    monkeypatch.setattr("dmltrain.service.cluster.file_fingerprint", lambda path: "as the driver sees it")
+    artifacts = tmp_path / "mlruns" / "1"
+    (problem,) = check_shared_paths(config, view, f"file://{artifacts}")
+    assert problem.startswith(
+        f"mlflow.experiment=e1 (artifacts at file://{artifacts}) is not shared: on node "
+    )
+    assert problem.endswith("(mlflow server --serve-artifacts)")
+    assert list(artifacts.iterdir()) == []  # the token file is removed
+    assert check_shared_paths(config, view, "mlflow-artifacts:/1") == []  # proxied by the server
+    assert check_shared_paths(config, view, "s3://bucket/mlruns/1") == []
+
+
 def test_cli_refuses_the_default_config_on_an_existing_cluster_before_any_worker(
     ray_cluster, tmp_path: Path
 ) -> None:

@@ -84,6 +84,19 @@ def test_artifacts_of_a_sqlite_store_stay_beside_it_whatever_the_working_directo
     assert create_run(uri, "my experiment/1", "store/run2", "run2", {}, segment)
     assert artifact_location("http://127.0.0.1:5000", "x") is None
     assert artifact_location("sqlite:///:memory:", "x") is None
+    # A database MLflow reads itself put artifacts in ./mlruns of the creating process, on a cluster the
+    # disk of whichever node rank 0 ran on; they go under the run's storage path, which every node shares.
+    db = "postgresql+psycopg2://u:p@db.internal/mlflow"
+    assert (
+        artifact_location(db, "my experiment/1", "s3://bucket/runs/")
+        == "s3://bucket/runs/mlruns/my_experiment_1"
+    )
+    assert artifact_location(db, "x", str(tmp_path / "runs")) == str(tmp_path / "runs" / "mlruns" / "x")
+    assert artifact_location("mysql://u@db/mlflow", "x", f"file://{tmp_path}") == str(
+        tmp_path / "mlruns" / "x"
+    )
+    assert artifact_location(db, "x") is None
+    assert artifact_location("http://127.0.0.1:5000", "x", "s3://bucket/runs") is None  # the server's root
 
 
 def test_a_run_records_who_ran_it_and_from_which_commit(tmp_path: Path) -> None:

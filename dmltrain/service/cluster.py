@@ -282,30 +282,55 @@ class _SharedCheck:
     value: str
     path: str  # the file each node must see
     expected: str
+    remedy: str = ""  # what to do instead; default: a shared mount or an s3:// URI for `key`
 
 
-def check_shared_paths(config: ExperimentConfig, view: ClusterView) -> list[str]:
+def _write_marker(folder: Path) -> Path:
+    """A token file in ``folder`` (created), for other nodes to find; the caller removes it."""
+    marker = folder / f".dmltrain-shared-check-{uuid.uuid4().hex}"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(marker.name)
+    return marker
+
+
+def check_shared_paths(
+    config: ExperimentConfig, view: ClusterView, artifact_root: str | None = None
+) -> list[str]:
     """Absolute local paths in ``config`` (already resolved) that some other alive node does not see as the
-    driver does; one line each, naming the node. URLs (s3://, https://) are not checked."""
+    driver does; one line each, naming the node. URLs (s3://, https://) are not checked.
+
+    ``artifact_root``: the MLflow experiment's artifact location (`experiment_artifact_root`). When it is a
+    local path, rank 0 writes plots, checkpoints and models there on whichever node it runs on; a path only
+    the driver's node has loses them without an error."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     checks: list[_SharedCheck] = []
     problems: list[str] = []
-    marker: Path | None = None
+    markers: list[Path] = []
     storage = config.run.storage_path
     if is_local(storage):
-        marker = Path(local_path(storage)) / f".dmltrain-shared-check-{uuid.uuid4().hex}"
         try:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(marker.name)
+            markers.append(_write_marker(Path(local_path(storage))))
         except OSError as exc:
             problems.append(f"run.storage_path={storage}: the driver cannot write there ({exc})")
-            marker = None
         else:
-            checks.append(
-                _SharedCheck("run.storage_path", storage, str(marker), file_fingerprint(str(marker)) or "")
-            )
+            marker = str(markers[-1])
+            checks.append(_SharedCheck("run.storage_path", storage, marker, file_fingerprint(marker) or ""))
+    if artifact_root is not None and is_local(artifact_root):
+        key = "mlflow.experiment"
+        value = f"{config.mlflow.experiment} (artifacts at {artifact_root})"
+        remedy = (
+            "use an experiment whose artifact location every node shares (an s3:// URI, a shared mount), or "
+            "an MLflow server that proxies artifacts (mlflow server --serve-artifacts)"
+        )
+        try:
+            markers.append(_write_marker(Path(local_path(artifact_root))))
+        except OSError as exc:
+            problems.append(f"{key}={value}: the driver cannot write there ({exc})")
+        else:
+            marker = str(markers[-1])
+            checks.append(_SharedCheck(key, value, marker, file_fingerprint(marker) or "", remedy))
     if is_local(config.data.root):
         dataset_json = os.path.join(local_path(config.data.root), "dataset.json")
         expected = file_fingerprint(dataset_json)
@@ -335,14 +360,16 @@ def check_shared_paths(config: ExperimentConfig, view: ClusterView) -> list[str]
             for check, fingerprint in zip(checks, found, strict=True):
                 if fingerprint != check.expected:
                     what = "does not exist" if fingerprint is None else "differs from the driver's"
+                    remedy = check.remedy or (
+                        f"set {check.key} to a path on a mount every node shares, or an s3:// URI"
+                    )
                     problems.append(
                         f"{check.key}={check.value} is not shared: on node {node.address} {check.path} "
-                        f"{what} (written/read on the driver's node): set {check.key} to a path on a mount "
-                        f"every node shares, or an s3:// URI"
+                        f"{what} (written/read on the driver's node): {remedy}"
                     )
         return problems
     finally:
-        if marker is not None:
+        for marker in markers:
             marker.unlink(missing_ok=True)
 
 

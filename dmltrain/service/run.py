@@ -69,6 +69,7 @@ from dmltrain.service.tracking import (
     Segment,
     continue_run,
     create_run,
+    experiment_artifact_root,
     find_run,
     metric_name,
     resolve_tracking_uri,
@@ -394,7 +395,8 @@ def launch(
     info, batch_plan = prepare_data(config)
     config = with_recall_ks(config, info.recall_ks)  # eval.ks unset: the data set's, recorded as such
     if topology.multi_node:
-        problems = check_shared_paths(config, view)
+        artifacts = experiment_artifact_root(tracking_uri, config.mlflow.experiment, config.run.storage_path)
+        problems = check_shared_paths(config, view, artifacts)
         if problems:
             raise ConfigError("\n".join(problems))
     else:  # every rank on this node; on a multi-node cluster each worker checks its own (WorkerLoop)
@@ -449,6 +451,7 @@ def launch(
             flatten(config),
             Segment(1, 0, config.run.resume, {}, config_dump, info.fingerprint),
             tags=tags,
+            storage_path=config.run.storage_path,
         )
     else:
         run_id = existing.run_id

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
 
 import yaml
 from mlflow.entities import Metric, Param, RunStatus, RunTag
@@ -132,25 +133,49 @@ def redact_credentials(text: str) -> str:
     return _URI_PASSWORD.sub(r"\g<head>:***@", text)
 
 
-def artifact_location(tracking_uri: str, experiment: str) -> str | None:
-    """Where a new experiment keeps its artifacts when the store is a sqlite file: beside the database, in
-    ``mlruns/<experiment>``. MLflow's own default is ``./mlruns`` of whichever directory the creating process
-    runs in, which scatters checkpoints and models (a benchmark launched from the repository with its store
-    elsewhere left 2.2 GB there). None: the store or server decides (a file store keeps artifacts inside
-    itself, a server has its own artifact root)."""
-    database = sqlite_store_path(tracking_uri)
-    if database is None:
-        return None
+# SQLAlchemy back ends MLflow keeps runs in ("postgresql+psycopg2" counts as "postgresql"); sqlite apart.
+_DATABASE_SCHEMES = {"postgresql", "mysql", "mssql"}
+
+
+def artifact_location(tracking_uri: str, experiment: str, storage_path: str | None = None) -> str | None:
+    """Where a new experiment keeps its artifacts when the tracking store is a database MLflow reads itself.
+
+    MLflow's own default there is ``./mlruns`` of whichever directory the creating process runs in, which
+    scatters checkpoints and models (a benchmark launched from the repository with its store elsewhere left
+    2.2 GB there) and, on a multi-node cluster, puts them on the disk of whichever node rank 0 runs on. So:
+    a sqlite file keeps them beside the database, in ``mlruns/<experiment>``; another database under the
+    run's ``storage_path`` (the place every node already shares), in ``mlruns/<experiment>``. None: the store
+    or server decides (a file store keeps artifacts inside itself, a server has its own artifact root)."""
     folder = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("._") or "experiment"
-    return str(database.resolve().parent / "mlruns" / folder)
+    database = sqlite_store_path(tracking_uri)
+    if database is not None:
+        return str(database.resolve().parent / "mlruns" / folder)
+    scheme = tracking_uri.split(":", 1)[0].split("+", 1)[0].lower()
+    if scheme not in _DATABASE_SCHEMES or not storage_path:
+        return None
+    if urlparse(storage_path).scheme in ("", "file"):
+        local = urlparse(storage_path).path if storage_path.startswith("file:") else storage_path
+        return str(Path(local).expanduser().resolve() / "mlruns" / folder)
+    return f"{storage_path.rstrip('/')}/mlruns/{folder}"
 
 
-def ensure_experiment(client: MlflowClient, tracking_uri: str, experiment: str) -> str:
+def ensure_experiment(
+    client: MlflowClient, tracking_uri: str, experiment: str, storage_path: str | None = None
+) -> str:
     """The id of ``experiment``, created (artifacts per `artifact_location`) if it does not exist yet."""
     found = client.get_experiment_by_name(experiment)
     if found is not None:
         return str(found.experiment_id)
-    return client.create_experiment(experiment, artifact_location=artifact_location(tracking_uri, experiment))
+    location = artifact_location(tracking_uri, experiment, storage_path)
+    return client.create_experiment(experiment, artifact_location=location)
+
+
+def experiment_artifact_root(tracking_uri: str, experiment: str, storage_path: str | None = None) -> str:
+    """Where ``experiment`` keeps its runs' artifacts, creating the experiment first if it does not exist (a
+    server decides that place only then); the multi-node checks test it is shared."""
+    client = MlflowClient(tracking_uri)
+    experiment_id = ensure_experiment(client, tracking_uri, experiment, storage_path)
+    return str(client.get_experiment(experiment_id).artifact_location)
 
 
 def find_run(tracking_uri: str, experiment: str, key: str) -> ExistingRun | None:
@@ -307,11 +332,13 @@ def create_run(
     params: Mapping[str, str],
     segment: Segment,
     tags: Mapping[str, str] | None = None,
+    storage_path: str | None = None,
 ) -> str:
     """A new MLflow run for ``key``: the flattened config as params, the resolved YAML as ``config.yaml``
-    and the first segment record; ``tags`` are added (``mlflow.parentRunId`` nests it under a sweep)."""
+    and the first segment record; ``tags`` are added (``mlflow.parentRunId`` nests it under a sweep). A new
+    experiment's artifacts go where `artifact_location` says (``storage_path``: the run's)."""
     client = MlflowClient(tracking_uri)
-    experiment_id = ensure_experiment(client, tracking_uri, experiment)
+    experiment_id = ensure_experiment(client, tracking_uri, experiment, storage_path)
     tags = {**source_tags(), **(tags or {}), RUN_KEY_TAG: key}
     run = client.create_run(experiment_id, run_name=run_name, tags=tags)
     run_id = run.info.run_id

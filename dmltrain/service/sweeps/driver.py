@@ -52,6 +52,7 @@ from dmltrain.service.sweeps.trial import BASELINE_TAG, SWEEP_KEY_TAG, SWEEP_TAG
 from dmltrain.service.tracking import (
     RunLogger,
     ensure_experiment,
+    experiment_artifact_root,
     redact_credentials,
     resolve_tracking_uri,
     set_run_status,
@@ -129,7 +130,10 @@ def _check_trials(sweep: Sweep) -> CheckedSweep:
                 infos[key] = load_data(config)  # builds the embedded set once, before any trial runs
             check_data(config, infos[key])
             if topology.multi_node:
-                problems = check_shared_paths(config, view)
+                artifacts = experiment_artifact_root(
+                    tracking_uri, config.mlflow.experiment, config.run.storage_path
+                )
+                problems = check_shared_paths(config, view, artifacts)
                 if problems:
                     raise ConfigError("\n".join(problems))
             else:  # every rank of every trial on this node (each trial's launch checks itself again)
@@ -156,7 +160,7 @@ def _parent_run(sweep: Sweep, trials: Sequence[Trial], tracking_uri: str, key: s
 
     client = MlflowClient(tracking_uri)
     experiment = trials[0].config.mlflow.experiment
-    experiment_id = ensure_experiment(client, tracking_uri, experiment)
+    experiment_id = ensure_experiment(client, tracking_uri, experiment, trials[0].config.run.storage_path)
     quoted = key.replace("'", "\\'")
     existing = client.search_runs(
         [experiment_id], filter_string=f"tags.`{SWEEP_KEY_TAG}` = '{quoted}'", max_results=1
