@@ -236,6 +236,10 @@ def global_batch_step(
                 with clock:
                     sum_gradients_(params)
                 _unstash_grads(params, stashed)
+        if one_pass and ddp is not None and _ddp_syncs_buffers(ddp) and _training_norms(net):
+            # DDP broadcast rank 0's buffers before the forward, which each rank then updated with its own
+            # rows: rank 0's rule again now, or evaluation (the bare net) and checkpoints differ by rank.
+            broadcast_buffers_(net)
 
     elapsed = time.perf_counter() - start
     total, count, num_queries, num_valid = stats
@@ -551,11 +555,7 @@ def _running_stats_updated_once(net: nn.Module, sync: bool) -> Iterator[None]:
     DDP broadcasts rank 0's buffers at the start of its first forward; restoring behind its back would let
     ranks drift apart, so under DDP rank 0's restored buffers are broadcast again (DDP's own rule).
     """
-    norms = [
-        m
-        for m in net.modules()
-        if isinstance(m, _NormBase) and m.training and m.track_running_stats and m.running_mean is not None
-    ]
+    norms = _training_norms(net)
     saved = [[b.detach().clone() for b in _norm_buffers(m)] for m in norms]
     try:
         yield
@@ -566,6 +566,15 @@ def _running_stats_updated_once(net: nn.Module, sync: bool) -> Iterator[None]:
                     b.copy_(s)
     if norms and sync:
         broadcast_buffers_(net)
+
+
+def _training_norms(net: nn.Module) -> list[_NormBase]:
+    """Norm layers a training-mode forward updates the running statistics of."""
+    return [
+        m
+        for m in net.modules()
+        if isinstance(m, _NormBase) and m.training and m.track_running_stats and m.running_mean is not None
+    ]
 
 
 def _norm_buffers(m: _NormBase) -> list[Tensor]:

@@ -48,6 +48,7 @@ SCENARIOS: dict[str, tuple[bool, int, bool, bool]] = {
     "ddp-one-pass": (True, 16, True, False),
     "ddp-chunked-unused-param": (True, 4, True, True),
     "ddp-chunked-bn-training": (True, 4, False, False),
+    "ddp-one-pass-bn-training": (True, 16, False, False),  # the ranks' running statistics stayed apart
     "ddp-chunked-compiled": (True, 4, True, False),
 }
 # The network compiled in place before DDP wraps it (as the service does). aot_eager runs dynamo's capture
