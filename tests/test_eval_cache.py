@@ -142,3 +142,62 @@ def test_embeddings_that_are_not_finite_end_the_run_without_a_retry(
     ):
         _embed(root, info, None, "data.std=[1e-300,1e-300,1e-300]")
     assert issubclass(NonFiniteEmbeddingsError, FATAL_IN_LOOP)
+
+
+class _NaNOnRank(torch.nn.Module):
+    """The service's network, whose embeddings turn NaN on one rank only."""
+
+    def __init__(self, net: torch.nn.Module, rank: int, bad_rank: int) -> None:
+        super().__init__()
+        self.net, self.poison = net, rank == bad_rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        return out * float("nan") if self.poison else out
+
+
+def _embed_on_rank(rank: int, port: int, root: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from dmltrain.data.metadata import load_dataset_info
+    from dmltrain.service.errors import NonFiniteEmbeddingsError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        config = load_config(
+            REPO / "configs" / "quickstart.yaml",
+            [f"data.root={root}", "data.prepare=null", "data.loader_workers=0", "eval.batch_size=64"],
+        )
+        torch.manual_seed(0)
+        net = _NaNOnRank(build_network(config), rank, bad_rank=1)
+        try:
+            embed_split(net, config, load_dataset_info(root), "test", torch.device("cpu"), rank, 2, False)
+            outcome = "returned"
+        except NonFiniteEmbeddingsError as error:
+            outcome = str(error)
+        (Path(out_dir) / f"rank{rank}.txt").write_text(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_embeddings_broken_on_one_rank_stop_every_rank(
+    small_glyphs: tuple[Path, DatasetInfo], tmp_path: Path
+) -> None:
+    """Only rank 0 receives the gathered rows; it alone stopped, and the other ranks went on into the next
+    collective, to wait there until Ray tore the group down (then reported as a retryable error)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    root, info = small_glyphs
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_embed_on_rank, args=(port, str(root), str(tmp_path)), nprocs=2, join=True)
+    outcomes = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    total = info.split("test").num_samples
+    for outcome in outcomes:
+        assert outcome.startswith("the network embeds "), outcomes
+        assert f" of {total} images of split 'test' as NaN or inf" in outcome, outcomes
+    assert outcomes[0] == outcomes[1]

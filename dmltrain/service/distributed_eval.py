@@ -20,7 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dmltrain.data import DatasetInfo, EvalLoader
-from dmltrain.distributed import all_gather_objects, all_gather_sizes, broadcast_object, gather_uneven
+from dmltrain.distributed import (
+    all_gather_objects,
+    all_gather_sizes,
+    all_reduce_sum_,
+    broadcast_object,
+    gather_uneven,
+)
 from dmltrain.evaluation import nearest_neighbors, retrieval_metrics
 from dmltrain.index import approximate_retrieval_metrics
 from dmltrain.inference import embed_batch
@@ -178,13 +184,16 @@ def embed_split(
     if keep_thumbnails and thumbs:
         stacked = torch.cat(thumbs)[order].permute(0, 2, 3, 1).numpy()
         thumbnails = {offset + i: stacked[i] for i in range(len(stacked))}
-    embeddings = gather_uneven(local, sizes).cpu()  # rank 0 scores; the others need only their thumbnails
-    broken = ~torch.isfinite(embeddings).all(dim=1)
-    if bool(broken.any()):  # every rank holds the gathered rows: all of them stop here together
+    # Counted over every rank, so all of them stop here together: only rank 0 receives the gathered rows,
+    # and a rank that went on alone would wait in the next collective until the group is torn down.
+    broken = torch.tensor([int((~torch.isfinite(local).all(dim=1)).sum()), len(local)], device=device)
+    broken, images = (int(n) for n in all_reduce_sum_(broken).tolist())
+    if broken:
         raise NonFiniteEmbeddingsError(
-            f"the network embeds {int(broken.sum())} of {len(broken)} images of split {split!r} as NaN or "
-            "inf (diverged weights, or inputs that overflow: data.mean, data.std)"
+            f"the network embeds {broken} of {images} images of split {split!r} as NaN or inf (diverged "
+            "weights, or inputs that overflow: data.mean, data.std)"
         )
+    embeddings = gather_uneven(local, sizes).cpu()  # rank 0 scores; the others need only their thumbnails
     return EmbeddedSplit(embeddings, gather_uneven(local_labels.to(device), sizes).cpu(), sizes, thumbnails)
 
 
