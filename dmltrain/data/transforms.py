@@ -397,6 +397,20 @@ def test_transform(
     )
 
 
+def resized_pixels(transform: Transform, height: int, width: int) -> int | None:
+    """How many pixels `transform`'s first resize makes of a ``height`` x ``width`` image (a pipeline as
+    `test_transform` builds), or None when it has none. The shorter side to ``s`` makes ``s`` x
+    ``s * long / short``: a 500,000 x 1 PNG of a few hundred bytes becomes 256 x 128,000,000 at s=256."""
+    resizes = [t for t in getattr(transform, "transforms", ()) if isinstance(t, v2.Resize)]
+    if not resizes or resizes[0].size is None:
+        return None
+    size = list(resizes[0].size)
+    if len(size) == 2:  # warped to a fixed size
+        return int(size[0]) * int(size[1])
+    side, short, long = int(size[0]), min(height, width), max(height, width)
+    return side * max(side, -(-side * long // short))
+
+
 def output_side(transform: Transform, default: int) -> int:
     """The side of the square images `transform` returns, where it says (a `TrainAugment`, or a pipeline
     ending in a centre crop as `test_transform`'s), else `default`."""
