@@ -478,6 +478,11 @@ def load_index(directory: str | os.PathLike[str]) -> StoredIndex:
         raise ValueError(
             f"{root / INDEX_FILE}: faiss cannot read it ({lines[-1] if lines else exc})"
         ) from None
+    if raw.d != int(meta["dim"]):  # files of two builds: every search would fail inside faiss
+        raise ValueError(
+            f"{root}: {INDEX_FILE} holds {raw.d}-d vectors but {META_FILE} says dim {meta['dim']} (files of "
+            "two different builds?): rebuild the index with `dmltrain index`"
+        )
     _reapply_search_params(raw, spec)
     ids = _load_ids(root / IDS_FILE)
     if len(ids) != raw.ntotal:
