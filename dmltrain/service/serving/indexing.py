@@ -137,6 +137,7 @@ def build_split_index(
             "model": model.source,
             "run_id": model.run_id,
             "model_step": model.step,
+            "model_sha256": model.digest,
             "data_root": _absolute(data_root),
             "dataset": info.name,
             "split": split,
@@ -189,16 +190,26 @@ def check_index_target(target: Path) -> None:
         )
 
 
-def check_built_with(meta: dict[str, Any], step: int | None, source: str) -> None:
+def check_built_with(meta: dict[str, Any], step: int | None, source: str, digest: str | None = None) -> None:
     """The index's own model must still be the one it was built with: ``runs:/<id>/model`` names the run's
     newest model (a relaunch that trained further logs a new one) and a file can be replaced, and queries
-    embedded by another model than the gallery's find the wrong neighbours with nothing to show for it."""
+    embedded by another model than the gallery's find the wrong neighbours with nothing to show for it.
+    ``digest`` (`weights_digest`) tells apart files of the same step; indexes built before it recorded
+    one are checked by step only."""
     built = meta.get("model_step")
     if built is not None and step is not None and int(built) != int(step):
         raise ValueError(
             f"the index was built with the step-{built} model of {meta.get('model')}, but {source} is now "
             f"the step-{step} one (trained further, or replaced): rebuild the index with `dmltrain index`, "
             "or give --model the model it was built with"
+        )
+    built_digest = meta.get("model_sha256")
+    if built_digest and digest and built_digest != digest:
+        raise ValueError(
+            f"the index was built with the model of {meta.get('model')} whose weights have sha256 "
+            f"{built_digest[:12]}..., but {source} is now another file ({digest[:12]}..., replaced or "
+            "retrained to the same step): rebuild the index with `dmltrain index`, or give --model the "
+            "model it was built with"
         )
 
 
@@ -256,7 +267,7 @@ def search_images(
         data.append(file.read_bytes())
     model = load_embedding_model(model_ref or stored.meta["model"], tracking_uri)
     if model_ref is None:
-        check_built_with(stored.meta, model.step, stored.meta["model"])
+        check_built_with(stored.meta, model.step, stored.meta["model"], model.digest)
     embeddings = embed_images(
         model.net,
         data,

@@ -19,7 +19,7 @@ import torch
 from dmltrain.data.transforms import Transform
 from dmltrain.models import EmbeddingNet, PreprocessConfig
 from dmltrain.service.config import ExperimentConfig
-from dmltrain.service.serving.weights import WEIGHTS_FILE, load_weights
+from dmltrain.service.serving.weights import WEIGHTS_FILE, load_weights, weights_digest
 
 MLMODEL = "MLmodel"
 
@@ -36,6 +36,7 @@ class LoadedModel:
     source: str  # the reference as given (local paths made absolute)
     run_id: str | None  # the MLflow run that logged it, if known
     step: int | None
+    digest: str | None = None  # sha256 of the weights file (`weights_digest`)
 
 
 def default_decode_workers(model: LoadedModel, batch_size: int) -> int:
@@ -216,4 +217,5 @@ def model_from_weights(
         source,
         run_id,
         None if step is None else int(step),
+        weights_digest(weights),
     )

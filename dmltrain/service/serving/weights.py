@@ -7,6 +7,7 @@ never unpickles arbitrary objects.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,16 @@ def save_weights(
         payload["preprocess"] = preprocess
     torch.save(payload, out)
     return out
+
+
+def weights_digest(path: str | os.PathLike[str]) -> str:
+    """sha256 of a weights file: what an index records of the model it was built with. The training step
+    alone told two runs of the same length apart from nothing (a rerun writing the same ``model.pt``)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def load_weights(path: str | os.PathLike[str]) -> dict[str, Any]:
