@@ -24,7 +24,7 @@ from dmltrain.service.serving.indexing import check_built_with, index_directory
 from dmltrain.service.serving.loading import located
 from dmltrain.service.serving.pyfunc import save_pyfunc
 from dmltrain.service.serving.search_model import index_files_only, search_parts
-from dmltrain.service.serving.weights import load_weights
+from dmltrain.service.serving.weights import load_weights, weights_digest
 
 
 def save_search_model(
@@ -45,7 +45,8 @@ def save_search_model(
             index_files_only(index_dir) as files,
         ):
             if model is None:  # the file's own step (None when it has none), as `dmltrain search` reads it
-                check_built_with(meta, load_weights(weights).get("step"), meta["model"])
+                step = load_weights(weights).get("step")
+                check_built_with(meta, step, meta["model"], weights_digest(weights))
             save_pyfunc(out, search_parts(weights, files))
     return meta
 
@@ -140,34 +141,49 @@ def serve_index(
     problem = address_problem(host, port)
     if problem:
         raise ValueError(problem)
-    with tempfile.TemporaryDirectory(prefix="dmltrain-serve-") as tmp:
-        model_dir = Path(tmp) / "search_model"
-        meta = save_search_model(index, model_dir, model=model, tracking_uri=tracking_uri)
-        print(
-            f"serving {index}: {meta['ntotal']} images of {meta['dataset']}/{meta['split']} "
-            f"({meta['description']}), model {model or meta['model']}\n"
-            f"POST http://{host}:{port}/invocations "
-            '{"dataframe_split": {"columns": ["image"], "data": [[<base64 image>]]}, "params": {"k": 10}}',
-            flush=True,
-        )
-        # Its own process group: MLflow's command runs uvicorn as a child of its own, which a signal to
-        # MLflow's process alone would leave serving.
-        command, env = serve_command(model_dir, host, port, workers), server_environment(workers)
-        server = subprocess.Popen(command, env=env, start_new_session=True)
-        stopped: list[int] = []
+    servers: list[subprocess.Popen[bytes]] = []
+    stopped: list[int] = []
 
-        def stop(signum: int, _frame: FrameType | None) -> None:
-            stopped.append(signum)
-            _signal_group(server, signal.SIGTERM)
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        stopped.append(signum)
+        if not servers:  # still copying the model: unwind, so the temporary folder is removed
+            raise _StopRequested
+        _signal_group(servers[0], signal.SIGTERM)
 
-        previous = signal.signal(signal.SIGTERM, stop)
-        try:
-            code = server.wait()
-        except KeyboardInterrupt:
-            stopped.append(signal.SIGINT)
-            _signal_group(server, signal.SIGTERM)
-            code = server.wait()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-            _end_group(server)
-        return 0 if stopped else code
+    # From the start: a SIGTERM while the model is copied (seconds) killed the process outright and left
+    # the copy (45 MB for a small model) in /tmp.
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with tempfile.TemporaryDirectory(prefix="dmltrain-serve-") as tmp:
+            model_dir = Path(tmp) / "search_model"
+            meta = save_search_model(index, model_dir, model=model, tracking_uri=tracking_uri)
+            print(
+                f"serving {index}: {meta['ntotal']} images of {meta['dataset']}/{meta['split']} "
+                f"({meta['description']}), model {model or meta['model']}\n"
+                f"POST http://{host}:{port}/invocations "
+                '{"dataframe_split": {"columns": ["image"], "data": [[<base64 image>]]}, '
+                '"params": {"k": 10}}',
+                flush=True,
+            )
+            # Its own process group: MLflow's command runs uvicorn as a child of its own, which a signal
+            # to MLflow's process alone would leave serving.
+            command, env = serve_command(model_dir, host, port, workers), server_environment(workers)
+            servers.append(subprocess.Popen(command, env=env, start_new_session=True))
+            server = servers[0]
+            try:
+                code = server.wait()
+            except KeyboardInterrupt:
+                stopped.append(signal.SIGINT)
+                _signal_group(server, signal.SIGTERM)
+                code = server.wait()
+            finally:
+                _end_group(server)
+            return 0 if stopped else code
+    except _StopRequested:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _StopRequested(Exception):
+    """SIGTERM before the server started: `serve_index` returns, its temporary model copy removed."""
