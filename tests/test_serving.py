@@ -290,6 +290,14 @@ def test_index_and_search_cli(served: Served, tmp_path: Path, capsys: pytest.Cap
     err = capsys.readouterr().err
     assert f"the index was built with the step-{meta['model_step'] + 100} model of {model}" in err, err
     (out / "index.json").write_text(json.dumps(meta))
+    # ... and the same file: another model of the same step (a rerun of the same length) embedded the
+    # queries for the gallery of the first, with nothing to show for it.
+    assert len(meta["model_sha256"]) == 64
+    (out / "index.json").write_text(json.dumps({**meta, "model_sha256": "0" * 64}))
+    assert cli(["search", str(out), str(files[0]), "--tracking-uri", served.tracking_uri]) == 2
+    err = capsys.readouterr().err
+    assert f"whose weights have sha256 000000000000..., but {model} is now another file (" in err, err
+    (out / "index.json").write_text(json.dumps(meta))
     # --grid against other shards than the index's: one line, not an IndexError
     for i in range(4):
         (tmp_path / "other" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
@@ -482,6 +490,12 @@ def test_index_spec_choice_and_round_trip(tmp_path: Path) -> None:
         ("ids.npz", b"hello", r"ids.npz: not a readable id map \(not an .npz archive\)"),
         ("index.json", b"{bad", r"index.json: not valid JSON"),
         ("index.json", json.dumps({"format_version": 1, "dim": 32}).encode(), r"index.json: no spec"),
+        # files of two builds: every search failed inside faiss with a bare AssertionError
+        (
+            "index.json",
+            json.dumps({**json.loads(meta_text), "dim": 16}).encode(),
+            r"ivfpq: index.faiss holds \d+-d vectors but index.json says dim 16",
+        ),
     ):
         (ivfpq / name).write_bytes(content)
         with pytest.raises(ValueError, match=fault):
@@ -524,6 +538,26 @@ def test_image_inputs_of_every_form() -> None:
     with pytest.raises(ValueError, match=r"q: 7x9 pixels, over the limit of 62"):
         image_tensor(rgb, "q", max_pixels=62)
     assert image_tensor(png, max_pixels=63).shape == (3, 9, 7)
+
+
+def test_a_long_thin_image_is_refused_before_its_resize() -> None:
+    """The pixel limit held for the image as sent; its shorter-side resize then multiplied it by the aspect
+    ratio (a 563-byte 500,000 x 1 PNG took a server from 1.1 to 3.4 GB at 32 px)."""
+    from dmltrain.data.transforms import resized_pixels, test_transform
+    from dmltrain.inference import embed_images
+
+    transform = test_transform(32, 36)
+    assert resized_pixels(transform, 9, 7) == 36 * 47  # 7 -> 36, 9 -> 46.3
+    assert resized_pixels(test_transform(32, 36, resize_mode="warp"), 1, 5000) == 36 * 36
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(4))
+    thin = np.zeros((1, 3000, 3), np.uint8)
+    with pytest.raises(
+        ValueError, match=r"^t: 3000x1 pixels; resized for the model that is 3,888,000 pixels"
+    ):
+        embed_images(net, [thin], transform, torch.device("cpu"), names=["t"], max_pixels=1_000_000)
+    square = np.zeros((40, 40, 3), np.uint8)
+    assert embed_images(net, [square], transform, torch.device("cpu"), max_pixels=2000).shape == (1, 4)
+    assert embed_images(net, [thin], transform, torch.device("cpu")).shape == (1, 4)  # no limit: a CLI's
 
 
 def test_request_params_are_bounded_integers() -> None:
@@ -729,14 +763,32 @@ def test_an_index_served_over_http_returns_what_search_prints(
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = {**os.environ, "TMPDIR": str(scratch), "MLFLOW_TRACKING_URI": served.tracking_uri}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "dmltrain.service.cli", "serve", str(index_dir), "--port", str(port)],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+
+    def start_server() -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dmltrain.service.cli", "serve", str(index_dir), "--port", str(port)],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def copies() -> list[Path]:
+        return [d for d in scratch.iterdir() if d.name.startswith("dmltrain-serve-")]
+
+    # SIGTERM while the model is being copied (before the server starts) killed the process outright and
+    # left the copy in the temporary folder.
+    early = start_server()
+    deadline = time.monotonic() + 120
+    while not copies():
+        assert early.poll() is None and time.monotonic() < deadline, early.communicate()[0][-3000:]
+        time.sleep(0.02)
+    early.send_signal(signal.SIGTERM)
+    output = early.communicate(timeout=60)[0]
+    assert early.returncode == 0 and "POST http" not in output, output[-3000:]  # stopped before serving
+    assert not copies()
+    server = start_server()
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -764,6 +816,11 @@ def test_an_index_served_over_http_returns_what_search_prints(
         bomb = {
             "dataframe_split": {"columns": ["image"], "data": [[base64.b64encode(blank.getvalue()).decode()]]}
         }
+        thin = io.BytesIO()
+        Image.new("L", (500_000, 1)).save(thin, format="PNG")  # 1 pixel high, its resize 2 GB and more
+        sliver = {
+            "dataframe_split": {"columns": ["image"], "data": [[base64.b64encode(thin.getvalue()).decode()]]}
+        }
         # MLflow's other request format hands base64 text over undecoded: answered, not refused
         inputs = _post(f"http://127.0.0.1:{port}/invocations", {"inputs": [payload[0]], "params": {"k": 4}})
         assert [p["key"] for p in inputs["predictions"]] == [e[3] for e in expected[:4]]
@@ -773,6 +830,7 @@ def test_an_index_served_over_http_returns_what_search_prints(
             (huge, "k must be from 1 to 10,000, got 2147483648"),
             (empty, "no images to embed"),
             (bomb, "image 0: 8000x7000 pixels, over the limit of 50,000,000"),
+            (sliver, "image 0: 500000x1 pixels; resized for the model that is "),
         ):
             with pytest.raises(urllib.error.HTTPError) as refused:
                 _post(f"http://127.0.0.1:{port}/invocations", request)
