@@ -139,6 +139,65 @@ def test_variants_times_grid_replace_whole_sections(tmp_path: Path) -> None:
     assert first.run.name == run_name("t", labels[0])
 
 
+def test_a_grid_over_whole_sections_labels_them_by_what_differs(tmp_path: Path) -> None:
+    """Two loss sections of the same name were refused as repeating labels, with advice about variants."""
+    grid = {"loss": [{"name": "fastap", "num_bins": 10}, {"name": "fastap", "num_bins": 40}]}
+    sweep = load_sweep(_write(tmp_path / "s.yaml", _spec(grid=grid)))
+    assert [t.label for t in sweep.trials] == ["loss=name=fastap+num_bins=10", "loss=name=fastap+num_bins=40"]
+    assert [t.config.loss.num_bins for t in sweep.trials] == [10, 40]
+    named = {"loss": [{"name": "fastap"}, {"name": "smoothap"}]}  # distinct names: labelled by name alone
+    assert [t.label for t in load_sweep(_write(tmp_path / "n.yaml", _spec(grid=named))).trials] == [
+        "loss=fastap",
+        "loss=smoothap",
+    ]
+
+
+def test_a_section_replaced_after_one_of_its_keys_is_refused(tmp_path: Path) -> None:
+    """The sweep's loss.temperature under a variant's whole `loss:` section was dropped without a word."""
+    spec = _spec(
+        overrides={"train.steps": 2, "loss.temperature": 0.05},
+        variants=[{"name": "smooth", "overrides": {"loss": {"name": "smoothap"}}}],
+    )
+    with pytest.raises(ConfigError) as refused:
+        load_sweep(_write(tmp_path / "s.yaml", spec))
+    assert str(refused.value) == (
+        "sweep t: variant 'smooth' replaces the whole section loss, which drops loss.temperature=0.05 set "
+        "before it; put temperature inside that section's value, or set the section's keys one by one "
+        "(loss.<key>)"
+    )
+    # a key set after its section is replaced applies to the new section
+    fine = _spec(
+        variants=[{"name": "s", "overrides": {"loss": {"name": "smoothap"}, "loss.temperature": 0.05}}]
+    )
+    assert load_sweep(_write(tmp_path / "f.yaml", fine)).trials[0].config.loss.temperature == 0.05
+
+
+def test_the_sweeps_own_settings_are_not_overridden_silently(tmp_path: Path) -> None:
+    """run.name and the file's experiment were replaced after the command line's overrides; trials that
+    differ in the settings the sweep takes from its first trial were tracked or checked elsewhere."""
+    path = _write(tmp_path / "s.yaml", _spec(experiment="from-file"))
+    with pytest.raises(ConfigError, match=r"^sweep t, trial 'base': run.name is the sweep's \('t.base'"):
+        load_sweep(path, ["run.name=mine"])
+    with pytest.raises(
+        ConfigError, match=r"mlflow.experiment=mine is overridden by the sweep file's experiment"
+    ):
+        load_sweep(path, ["mlflow.experiment=mine"])
+    assert (
+        load_sweep(_write(tmp_path / "e.yaml", _spec()), ["mlflow.experiment=mine"])
+        .trials[0]
+        .config.mlflow.experiment
+        == "mine"
+    )
+    split = _spec(
+        variants=[
+            {"name": "a", "overrides": {"run.storage_path": str(tmp_path / "a")}},
+            {"name": "b", "overrides": {"run.storage_path": str(tmp_path / "b")}},
+        ]
+    )
+    with pytest.raises(ConfigError, match=r"^sweep t: every trial must share run.storage_path .*'a': "):
+        load_sweep(_write(tmp_path / "v.yaml", split))
+
+
 def test_a_bad_trial_is_refused_naming_trial_and_key(tmp_path: Path) -> None:
     path = _write(
         tmp_path / "s.yaml", _spec(variants=[{"name": "typo", "overrides": {"optim.lr_rate": 0.1}}])

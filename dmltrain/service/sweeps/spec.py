@@ -108,9 +108,12 @@ def _as_override(key: str, value: Any) -> str:
     return f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
 
 
-def _value_label(value: Any) -> str:
+def _value_label(value: Any, full: bool = False) -> str:
+    """A value as the trial label shows it: a section by its ``name`` (``full``: every key)."""
     if isinstance(value, Mapping):
-        return str(value.get("name", "+".join(f"{k}={_value_label(v)}" for k, v in value.items())))
+        if not full and "name" in value:
+            return str(value["name"])
+        return "+".join(f"{k}={_value_label(v, full)}" for k, v in value.items())
     return str(value)
 
 
@@ -118,23 +121,51 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", text).strip("_") or "trial"
 
 
+def _dropped_keys(overrides: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(dotted key, section) pairs where a whole section set later replaces a key set before it: the key
+    was silently lost (the sweep's ``loss.temperature`` under a variant's ``loss: {name: smoothap}``)."""
+    keys = list(overrides)
+    return [
+        (earlier, later)
+        for i, earlier in enumerate(keys)
+        for later in keys[i + 1 :]
+        if isinstance(overrides[later], Mapping) and earlier.startswith(later + ".")
+    ]
+
+
 def expand(spec: SweepSpec) -> list[tuple[str, dict[str, Any]]]:
     """Every (label, overrides) of the sweep: variants x grid points, in file order."""
     variants: list[tuple[str, dict[str, Any]]] = [(v.name, v.overrides) for v in spec.variants] or [("", {})]
     keys = list(spec.grid)
-    out = []
+
+    def label(name: str, point: Mapping[str, Any], full: bool) -> str:
+        parts = ([name] if name else []) + [
+            f"{k.split('.')[-1]}={_value_label(v, full)}" for k, v in point.items()
+        ]
+        return ",".join(parts) or "base"
+
+    points = []
     for name, variant_overrides in variants:
         for values in itertools.product(*(spec.grid[k] for k in keys)):
             point = dict(zip(keys, values, strict=True))
-            parts = ([name] if name else []) + [
-                f"{k.split('.')[-1]}={_value_label(v)}" for k, v in point.items()
-            ]
             overrides = {**spec.overrides, **variant_overrides, **point}
-            out.append((",".join(parts) or "base", overrides))
-    labels = [label for label, _ in out]
+            for key, section in _dropped_keys(overrides):
+                where = f"variant {name!r}" if section in variant_overrides else f"grid.{section}"
+                raise ConfigError(
+                    f"sweep {spec.name}: {where} replaces the whole section {section}, which drops "
+                    f"{key}={overrides[key]!r} set before it; put {key.removeprefix(section + '.')} inside "
+                    f"that section's value, or set the section's keys one by one ({section}.<key>)"
+                )
+            points.append((name, point, overrides))
+    labels = [label(name, point, False) for name, point, _ in points]
+    if len(set(labels)) != len(labels):  # sections with the same name: label them by all their keys
+        labels = [label(name, point, True) for name, point, _ in points]
     if len(set(labels)) != len(labels):
-        raise ConfigError(f"sweep {spec.name}: trial labels repeat ({labels}); give variants distinct names")
-    return out
+        raise ConfigError(
+            f"sweep {spec.name}: trial labels repeat ({labels}); give variants distinct names and the grid "
+            "distinct values"
+        )
+    return [(text, overrides) for text, (_, _, overrides) in zip(labels, points, strict=True)]
 
 
 def trial_config(
@@ -172,6 +203,7 @@ def load_sweep(
     trials = []
     for label, overrides in expand(spec):
         data = trial_config(base_raw, overrides, extra_overrides)
+        _check_sweep_owned(spec, label, base_raw, data)
         data.setdefault("run", {})["name"] = run_name(spec.name, label)
         if spec.experiment:
             data.setdefault("mlflow", {})["experiment"] = spec.experiment
@@ -185,4 +217,45 @@ def load_sweep(
                 f"sweep {spec.name}: trials {other!r} and {trial.label!r} get the same run.name "
                 f"{trial.config.run.name!r}; give their variants names that differ in letters or digits"
             )
+    _check_shared_settings(spec, trials)
     return Sweep(spec, source, base_raw, tuple(trials))
+
+
+def _section_value(raw: Mapping[str, Any], section: str, key: str) -> Any:
+    part = raw.get(section)
+    return part.get(key) if isinstance(part, Mapping) else None
+
+
+def _check_sweep_owned(
+    spec: SweepSpec, label: str, base_raw: Mapping[str, Any], data: Mapping[str, Any]
+) -> None:
+    """``run.name`` and (with ``experiment:``) ``mlflow.experiment`` are the sweep's: an override of them
+    was silently replaced."""
+    if _section_value(data, "run", "name") != _section_value(base_raw, "run", "name"):
+        raise ConfigError(
+            f"sweep {spec.name}, trial {label!r}: run.name is the sweep's ({run_name(spec.name, label)!r}, "
+            "stable across relaunches); name the sweep with --name instead"
+        )
+    experiment = _section_value(data, "mlflow", "experiment")
+    if spec.experiment and experiment != _section_value(base_raw, "mlflow", "experiment"):
+        raise ConfigError(
+            f"sweep {spec.name}, trial {label!r}: mlflow.experiment={experiment} is overridden by the sweep "
+            f"file's experiment: {spec.experiment}; change it there"
+        )
+
+
+# What the sweep decides once for all its trials: the parent run's store and experiment, Tune's storage and
+# the cluster checks follow the first trial, so a trial that differs would be tracked or checked elsewhere.
+_SHARED_SETTINGS = ("mlflow.tracking_uri", "mlflow.experiment", "run.storage_path", "scaling.topology")
+
+
+def _check_shared_settings(spec: SweepSpec, trials: Sequence[Trial]) -> None:
+    for key in _SHARED_SETTINGS:
+        section, name = key.split(".")
+        values = {t.label: getattr(getattr(t.config, section), name) for t in trials}
+        if len(set(values.values())) > 1:
+            shown = ", ".join(f"{label!r}: {value}" for label, value in values.items())
+            raise ConfigError(
+                f"sweep {spec.name}: every trial must share {key} (one parent run, one Tune experiment); "
+                f"the trials have {shown}"
+            )
