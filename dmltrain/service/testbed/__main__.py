@@ -1,4 +1,4 @@
-"""``python -m dmltrain.service.testbed [--workers N]``: start a test bed, say how to use it.
+"""``python -m dmltrain.service.testbed [--workers N] [--cpus N]``: start a test bed, say how to use it.
 
 Ctrl-C tears it down.
 """
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` tears down like Ctrl-C, also while starting
     bed = TestBed(worker_nodes=args.workers, cpus_per_node=args.cpus)
+    status = 0
     try:
         with bed:
             print(bed.describe(), flush=True)
@@ -37,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(3600)
     except KeyboardInterrupt:
         pass
-    except BedError as error:
+    except BedError as error:  # NetError (an `ip` command failed) too
         print(f"error: {error}", file=sys.stderr)
-        return 1
-    left = bed.leftovers()
+        status = 1
+    left = bed.leftovers()  # after a failed start too: what the teardown could not remove
     if left:
         print(f"error: left behind: {left}", file=sys.stderr)
         return 1
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dmltrain.service.testbed.netns import Network, kill_namespace_processes, leftovers
+from dmltrain.service.testbed.netns import BedError, Network, kill_namespace_processes, leftovers
 
 NOBODY = 65534
 RAY_PORT, DASHBOARD_PORT, MLFLOW_PORT, S3_PORT, PG_PORT = 6379, 8265, 5000, 9000, 5432
@@ -49,10 +49,6 @@ _STRIPPED = (
     "MLFLOW_TRACKING_URI",
     "TMPDIR",
 )
-
-
-class BedError(RuntimeError):
-    """The bed could not be built or a step of it failed; the message says which and why."""
 
 
 def _postgres_bin() -> Path | None:

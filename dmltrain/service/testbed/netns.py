@@ -27,7 +27,11 @@ SUBNET_PREFIX = "10.213"  # 10.213.K.0/24, K claimed per bed; rarely used by any
 NS_PREFIX = "dmlbed-"
 
 
-class NetError(RuntimeError):
+class BedError(RuntimeError):
+    """The bed could not be built or a step of it failed; the message says which and why."""
+
+
+class NetError(BedError):
     """An `ip` command failed: the bed cannot build its network."""
 
 
@@ -113,10 +117,24 @@ class Network:
         else:
             raise NetError(f"no free {SUBNET_PREFIX}.K.0/24 left for a test bed")
         record = {"owner_pid": os.getpid(), "bed_id": bed_id, "subnet": subnet, "base_dir": str(base_dir)}
-        (REGISTRY / f"bed-{bed_id}.json").write_text(json.dumps(record))
-        ip("link", "add", network.bridge, "type", "bridge")
-        ip("addr", "add", f"{network.gateway}/24", "dev", network.bridge)
-        ip("link", "set", network.bridge, "up")
+        # No bed holds the network until this returns, so nobody's stop() removes it and reap_stale() skips
+        # it while this process lives: a failure part way undoes here what was made, then re-raises.
+        bridge_added = False
+        try:
+            (REGISTRY / f"bed-{bed_id}.json").write_text(json.dumps(record))
+            ip("link", "add", network.bridge, "type", "bridge")
+            bridge_added = True
+            ip("addr", "add", f"{network.gateway}/24", "dev", network.bridge)
+            ip("link", "set", network.bridge, "up")
+        except BaseException:
+            if bridge_added:  # only ours: a failed `link add` may mean another bed's bridge has the name
+                with contextlib.suppress(Exception):
+                    ip("link", "del", network.bridge, check=False)
+            with contextlib.suppress(OSError):
+                os.close(network.lock_fd)
+            with contextlib.suppress(OSError):
+                (REGISTRY / f"bed-{bed_id}.json").unlink(missing_ok=True)
+            raise
         return network
 
     def add_namespace(self, node: str) -> tuple[str, str]:
