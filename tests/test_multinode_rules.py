@@ -177,10 +177,20 @@ def test_default_config_on_a_multi_node_cluster_is_refused_one_line_per_setting(
         ("http://127.0.1.1:5000", True),  # Debian's hostname alias: still this machine
         ("http://[0:0:0:0:0:0:0:1]:5000", True),
         ("http://localhost.:5000", True),
+        ("http://127.1:5000", True),  # short IPv4 forms the resolver takes (inet_aton): still 127.0.0.1
+        ("http://2130706433:5000", True),
+        ("http://0x7f.1:5000", True),
+        ("http://[::ffff:127.0.0.1]:5000", True),  # IPv4-mapped IPv6 loopback
+        ("http://0:5000", True),  # 0.0.0.0: connecting to it reaches this machine
+        ("http://localhost.localdomain:5000", True),
+        ("http://mlflow.localhost:5000", True),  # *.localhost resolves to loopback (RFC 6761)
         ("postgresql:///mlflow?host=/var/run/postgresql", True),  # a socket on the driver's node
         ("http://mlflow.dmltrain.svc.cluster.local:5000", False),
         ("https://mlflow.example.com", False),
         ("postgresql://u:p@10.0.0.5:5432/mlflow", False),
+        ("http://10.1:5000", False),  # a short form that is not loopback (10.0.0.1)
+        ("http://[::ffff:10.0.0.5]:5000", False),
+        ("http://localhostmlflow:5000", False),
         ("databricks", False),
     ],
 )
@@ -209,6 +219,18 @@ def test_paths_absolute_or_remote_pass_the_rules_and_relative_weights_do_not(tmp
     )
     (problem,) = storage_problems(weights, "http://mlflow:5000", False, MULTI)
     assert problem.startswith("model.weights=w/r18.pt is relative")
+
+
+def test_paths_under_home_are_named_as_such_not_as_relative() -> None:
+    """The rules see the config as written; resolve_paths (after them) expands ~ as a shell would, so a ~
+    path is the driver's home directory, not the working directory."""
+    config = load_config(
+        QUICKSTART, ["data.root=~/shards/glyphs", "run.storage_path=file:~/ray", "data.prepare=null"]
+    )
+    storage, data = storage_problems(config, "http://mlflow:5000", False, MULTI)
+    for problem, key in ((storage, "run.storage_path=file:~/ray"), (data, "data.root=~/shards/glyphs")):
+        assert problem.startswith(f"{key} is under the driver's home directory (~)"), problem
+        assert "working directory" not in problem
 
 
 def test_use_gpu_auto_is_loud_when_it_means_cpu_on_a_cluster() -> None:

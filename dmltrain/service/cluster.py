@@ -24,6 +24,7 @@ import hashlib
 import ipaddress
 import logging
 import os
+import socket
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -187,7 +188,9 @@ def _tracking_problem(uri: str) -> str | None:
     if scheme in _FILE_SCHEMES or len(scheme) == 1:  # one letter: a Windows drive
         return "is a file on the driver's node, which rank 0 on another node cannot open"
     host = (parsed.hostname or "").lower().rstrip(".")
-    if host in _LOOPBACK or _is_loopback_address(host):
+    # /etc/hosts names of this machine, and *.localhost, which resolvers answer with loopback (RFC 6761)
+    names = {"localhost.localdomain", "localhost6", "localhost6.localdomain6", "ip6-loopback"}
+    if host in _LOOPBACK or host in names or host.endswith(".localhost") or _is_loopback_address(host):
         return "is a server on the driver's loopback interface, which other nodes cannot reach"
     if not host and "://" in uri:  # postgresql:///db?host=/var/run/postgresql: a socket on this node
         return "names no host (a local socket on the driver's node), which other nodes cannot reach"
@@ -195,18 +198,29 @@ def _tracking_problem(uri: str) -> str | None:
 
 
 def _is_loopback_address(host: str) -> bool:
-    """127.0.0.0/8 (Debian's 127.0.1.1 hostname alias too), ::1 in any spelling, 0.0.0.0."""
+    """127.0.0.0/8 (Debian's 127.0.1.1 hostname alias too) in every spelling the C resolver takes (127.1,
+    2130706433, 0x7f.1: inet_aton's forms), ::1 in any spelling, IPv4-mapped ::ffff:127.x.x.x, and the
+    unspecified address (0.0.0.0, 0, ::), which a client connects to as this machine."""
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
-        return False
+        try:
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+        except (OSError, ValueError):  # not an address: a name
+            return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
     return address.is_loopback or address.is_unspecified
 
 
 def _path_problem(value: str | None) -> str | None:
     if value is None or not is_local(value):
         return None
-    if not Path(local_path(value)).is_absolute():
+    path = local_path(value)
+    if path.startswith("~"):  # checked before resolve_paths, which expands ~ as a shell would
+        return "is under the driver's home directory (~), which other nodes may not share"
+    if not Path(path).is_absolute():
         return "is relative to the driver's working directory, which other nodes do not see"
     return None
 
