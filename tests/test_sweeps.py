@@ -198,6 +198,79 @@ def test_the_sweeps_own_settings_are_not_overridden_silently(tmp_path: Path) -> 
         load_sweep(_write(tmp_path / "v.yaml", split))
 
 
+def test_a_baseline_stopped_by_ctrl_c_is_run_again_in_place(
+    tmp_path: Path, glyphs_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during the pixel baseline left its child run FAILED; the relaunch made a second one, and the
+    summary listed 'raw pixels' twice and lost its reference line (the FAILED run, newest, won)."""
+    import dmltrain.service.sweeps.baselines as baselines
+    from dmltrain.service.sweeps import driver
+    from dmltrain.service.sweeps.summary import collect
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    overrides = {
+        "mlflow.tracking_uri": uri,
+        "run.storage_path": str(tmp_path / "ray"),
+        "data.root": str(glyphs_root),
+    }
+    sweep = load_sweep(
+        _write(
+            tmp_path / "s.yaml",
+            _spec(experiment="b", baselines=["pixels"], overrides={**overrides, "data.prepare": None}),
+        )
+    )
+    trial, key = sweep.trials[0], f"{tmp_path / 'ray'}/t"
+    parent, _ = driver._parent_run(sweep, list(sweep.trials), uri, key)
+    real = baselines.pixel_baseline
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(baselines, "pixel_baseline", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        driver._baselines(sweep, trial, uri, parent, key)
+    (stopped,) = collect(uri, parent)
+    assert stopped.status == "KILLED"  # stopped, not failed
+    monkeypatch.setattr(baselines, "pixel_baseline", real)
+    driver._baselines(sweep, trial, uri, parent, key)
+    (again,) = collect(uri, parent)
+    assert (again.run_id, again.status, again.kind) == (stopped.run_id, "FINISHED", "baseline")
+    assert again.final("recall_at_1") is not None
+    # a store from before, with a failed run beside the finished one (newer): the finished one stands
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    finished = client.get_run(again.run_id)
+    extra = client.create_run(finished.info.experiment_id, tags=finished.data.tags).info.run_id
+    client.set_terminated(extra, "FAILED")
+    assert [(r.run_id, r.status) for r in collect(uri, parent)] == [(again.run_id, "FINISHED")]
+
+
+def test_a_relaunch_records_its_own_trials_and_overrides_on_the_parent(tmp_path: Path) -> None:
+    """A relaunch of an edited sweep continued the parent run with the first launch's trial list, and the
+    command line's overrides were recorded nowhere."""
+    from mlflow.tracking import MlflowClient
+
+    from dmltrain.service.sweeps import driver
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = _spec(experiment="r", variants=[{"name": "a", "overrides": {}}])
+    spec["overrides"]["mlflow.tracking_uri"] = uri
+    path = _write(tmp_path / "s.yaml", spec)
+    first = load_sweep(path)
+    parent, resumed = driver._parent_run(first, list(first.trials), uri, "k")
+    spec["variants"].append({"name": "b", "overrides": {"optim.lr": 0.002}})
+    second = load_sweep(_write(path, spec), ["train.steps=3"])
+    assert driver._parent_run(second, list(second.trials), uri, "k") == (parent, True) and not resumed
+    client = MlflowClient(uri)
+    folder = tmp_path / "artifacts"
+    listing = yaml.safe_load(Path(client.download_artifacts(parent, "trials.yaml", str(folder))).read_text())
+    assert [t["label"] for t in listing] == ["a", "b"]
+    overrides = Path(client.download_artifacts(parent, "command_line_overrides.yaml", str(folder)))
+    assert yaml.safe_load(overrides.read_text()) == ["train.steps=3"]
+    assert client.get_run(parent).data.tags["dmltrain.sweep.trials"] == "2"
+
+
 def test_a_bad_trial_is_refused_naming_trial_and_key(tmp_path: Path) -> None:
     path = _write(
         tmp_path / "s.yaml", _spec(variants=[{"name": "typo", "overrides": {"optim.lr_rate": 0.1}}])

@@ -174,6 +174,9 @@ def _run_sweep(args: argparse.Namespace) -> int:
     except (ConfigError, FatalRunError) as error:
         print_problems(error)
         return 2
+    except KeyboardInterrupt:  # before Tune took over Ctrl-C (the baselines): as a stop inside Tune
+        print("sweep stopped before its trials ran. The same command continues it.", file=sys.stderr)
+        return 130
     print(outcome.summary)
     if args.summary:
         with open(args.summary, "w") as handle:

@@ -168,6 +168,7 @@ def _parent_run(sweep: Sweep, trials: Sequence[Trial], tracking_uri: str, key: s
     if existing:
         run_id = existing[0].info.run_id
         client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        _record_launch(client, run_id, sweep, trials)
         return run_id, True
     run = client.create_run(
         experiment_id,
@@ -178,15 +179,28 @@ def _parent_run(sweep: Sweep, trials: Sequence[Trial], tracking_uri: str, key: s
     client.log_param(run_id, "sweep.file", str(sweep.source))
     client.log_param(run_id, "sweep.base", sweep.spec.base)
     client.log_param(run_id, "sweep.trials", len(trials))
+    _record_launch(client, run_id, sweep, trials)
+    return run_id, False
+
+
+def _record_launch(client: Any, run_id: str, sweep: Sweep, trials: Sequence[Trial]) -> None:
+    """The sweep file, trial list and command-line overrides of this launch on the parent run (a relaunch
+    of an edited sweep kept the first launch's; params cannot change, so the count is also a tag)."""
     client.log_text(run_id, redact_credentials(sweep.source.read_text()), "sweep.yaml")
     listing = [{"label": t.label, "run.name": t.config.run.name, "overrides": t.overrides} for t in trials]
     listing = json.loads(json.dumps(listing))  # trials share override values: no YAML anchors/aliases
     client.log_text(run_id, redact_credentials(yaml.safe_dump(listing, sort_keys=False)), "trials.yaml")
-    return run_id, False
+    client.log_text(
+        run_id,
+        redact_credentials(yaml.safe_dump(list(sweep.extra_overrides), sort_keys=False)),
+        "command_line_overrides.yaml",
+    )
+    client.set_tag(run_id, "dmltrain.sweep.trials", str(len(trials)))
 
 
 def _baselines(sweep: Sweep, trial: Trial, tracking_uri: str, parent_run_id: str, key: str) -> None:
-    """Each baseline once per sweep, as a child run (skipped when a finished one is there)."""
+    """Each baseline once per sweep, as a child run: skipped when a finished one is there, and an
+    unfinished one (stopped by Ctrl-C, failed) is run again in place, not beside a new one."""
     from mlflow.tracking import MlflowClient
 
     from dmltrain.service.sweeps.baselines import pixel_baseline
@@ -196,27 +210,32 @@ def _baselines(sweep: Sweep, trial: Trial, tracking_uri: str, parent_run_id: str
     for name in sweep.spec.baselines:
         label = PIXELS_LABEL if name == "pixels" else name
         tag = f"{key}/{name}"
-        done = client.search_runs(
+        earlier = client.search_runs(
             [experiment_id],
-            filter_string=f"tags.`{BASELINE_TAG}` = '{tag.replace(chr(39), chr(92) + chr(39))}' "
-            "and attributes.status = 'FINISHED'",
-            max_results=1,
+            filter_string=f"tags.`{BASELINE_TAG}` = '{tag.replace(chr(39), chr(92) + chr(39))}'",
         )
-        if done:
+        if any(r.info.status == "FINISHED" for r in earlier):
             continue
-        run = client.create_run(
-            experiment_id,
-            run_name=f"{sweep.spec.name}.{name}",
-            tags={**child_tags(parent_run_id, sweep.spec.name, label), BASELINE_TAG: tag},
-        )
-        client.log_param(run.info.run_id, "data.root", redact_credentials(trial.config.data.root))
-        client.log_param(run.info.run_id, "data.image_size", str(trial.config.data.image_size))
+        if earlier:  # the newest unfinished one; a second run beside it showed twice in the summary
+            run_id = earlier[0].info.run_id
+            set_run_status(tracking_uri, run_id, "RUNNING")
+        else:
+            run_id = client.create_run(
+                experiment_id,
+                run_name=f"{sweep.spec.name}.{name}",
+                tags={**child_tags(parent_run_id, sweep.spec.name, label), BASELINE_TAG: tag},
+            ).info.run_id
+            client.log_param(run_id, "data.root", redact_credentials(trial.config.data.root))
+            client.log_param(run_id, "data.image_size", str(trial.config.data.image_size))
         try:
-            metrics = pixel_baseline(trial.config, RunLogger(tracking_uri, run.info.run_id))
-        except BaseException:
-            set_run_status(tracking_uri, run.info.run_id, "FAILED")
+            metrics = pixel_baseline(trial.config, RunLogger(tracking_uri, run_id))
+        except KeyboardInterrupt:
+            set_run_status(tracking_uri, run_id, "KILLED")
             raise
-        set_run_status(tracking_uri, run.info.run_id, "FINISHED")
+        except BaseException:
+            set_run_status(tracking_uri, run_id, "FAILED")
+            raise
+        set_run_status(tracking_uri, run_id, "FINISHED")
         log.info("baseline %s: %s", label, {k: round(v, 4) for k, v in metrics.items() if "@1" in k})
 
 

@@ -101,6 +101,7 @@ class Sweep:
     source: Path  # the sweep file
     base_raw: dict[str, Any]  # the base config as read (before any override)
     trials: tuple[Trial, ...]
+    extra_overrides: tuple[str, ...] = ()  # the command line's, applied to every trial after the file's
 
 
 def _as_override(key: str, value: Any) -> str:
@@ -218,7 +219,7 @@ def load_sweep(
                 f"{trial.config.run.name!r}; give their variants names that differ in letters or digits"
             )
     _check_shared_settings(spec, trials)
-    return Sweep(spec, source, base_raw, tuple(trials))
+    return Sweep(spec, source, base_raw, tuple(trials), tuple(extra_overrides))
 
 
 def _section_value(raw: Mapping[str, Any], section: str, key: str) -> Any:
