@@ -10,6 +10,7 @@ step stays exact for whatever the network is.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import warnings
@@ -141,13 +142,14 @@ class _CompiledForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.state == "eager":
             return self.eager(*args, **kwargs)
-        rng = _rng_state()
+        rng = rng_state()
         try:
-            out = self.compiled(*args, **kwargs)
+            with _backward_compiled_with_forward():
+                out = self.compiled(*args, **kwargs)
         except Exception as error:
             if self.state == "works" and not isinstance(error, self._errors):
                 raise
-            _restore_rng(rng)
+            restore_rng_state(rng)
             out = self.eager(*args, **kwargs)  # raises the real error if the call itself is at fault
             self.state = "eager"
             message = f"torch.compile failed ({_describe(error)}); running the network eagerly"
@@ -164,6 +166,19 @@ class _CompiledForward:
         return _CompiledForward(eager, self.options, "eager" if self.state == "eager" else "untried")
 
 
+def _backward_compiled_with_forward() -> Any:
+    """AOTAutograd compiles the backward graph at the first backward (lazily) unless told otherwise; a
+    compiler that fails there raised outside this wrapper, in the engine's backward, and the run was
+    retried into the same failure. Compiled with the forward, its failure falls back like any other."""
+    try:
+        from torch._functorch import config
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(config, "force_non_lazy_backward_lowering"):  # a torch without the switch
+        return contextlib.nullcontext()
+    return config.patch(force_non_lazy_backward_lowering=True)
+
+
 def _describe(error: BaseException) -> str:
     """One line: the compiler's own error where dynamo wraps it (BackendCompilerFailed)."""
     inner = getattr(error, "inner_exception", None) or error
@@ -171,14 +186,15 @@ def _describe(error: BaseException) -> str:
     return f"{type(inner).__name__}: {first[:300]}"
 
 
-def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+def rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """The CPU and (when initialised) every CUDA generator's state, for `restore_rng_state`."""
     cuda = (
         torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     )
     return torch.get_rng_state(), cuda
 
 
-def _restore_rng(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+def restore_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state_all(state[1])
@@ -196,6 +212,15 @@ def compile_network(model: nn.Module, **options: Any) -> nn.Module:
         return model
     model.forward = _CompiledForward(model.forward, dict(options))  # type: ignore[method-assign]
     return model
+
+
+def compiled_forwards(model: nn.Module) -> list[_CompiledForward]:
+    """Every compiled forward in ``model`` (`compile_network`), whatever its state."""
+    return [
+        forward
+        for module in model.modules()
+        if isinstance(forward := module.__dict__.get("forward"), _CompiledForward)
+    ]
 
 
 def compile_state(model: nn.Module) -> str:

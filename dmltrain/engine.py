@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -33,10 +34,11 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.parallel import DistributedDataParallel
 
-from dmltrain.acceleration import cuda_has_bf16
+from dmltrain.acceleration import compiled_forwards, cuda_has_bf16, restore_rng_state, rng_state
 from dmltrain.distributed import (
     all_gather_sizes,
     all_gather_uneven,
+    all_reduce_max_,
     all_reduce_sum_,
     broadcast_buffers_,
     get_rank,
@@ -171,8 +173,96 @@ def global_batch_step(
 
     A network compiled in place (`dmltrain.acceleration.compile_network`, before any DDP wrapping) works
     unchanged: the engine only calls the module, and its RNG replay, no_sync and DDP handling act on the
-    uncompiled wrapper.
+    uncompiled wrapper. Where its compilation falls back to eager within a step, the step is run again
+    from the start (RNG, gradients and running statistics put back), so its chunks replay one forward.
     """
+    net = _unwrapped(model)
+    compiled = compiled_forwards(net)
+    snapshot = _StepSnapshot.take(net) if compiled else None
+    run = partial(
+        _global_batch_step_once,
+        model,
+        inputs,
+        labels,
+        loss_fn,
+        chunk_size,
+        preprocess=preprocess,
+        freeze_bn=freeze_bn,
+        autocast_dtype=autocast_dtype,
+        skip_nonfinite=skip_nonfinite,
+        channels_last=channels_last,
+        grad_scaler=grad_scaler,
+    )
+    result = run()
+    # A compiled forward that fell back to eager within the step (its grad-mode graph failed after the
+    # no-grad one ran) replayed the chunks with eager's dropout masks, not the compiled pass's: that
+    # step's gradient belonged to no single forward. It is run again, eagerly from the start; the ranks
+    # agree on it (a flag over all of them), so they take the same collectives.
+    for _ in compiled:  # each compiled forward can fall back once
+        assert snapshot is not None
+        fell_back = any(
+            before != "eager" and forward.state == "eager"
+            for before, forward in zip(snapshot.states, compiled, strict=True)
+        )
+        if not _any_rank(fell_back, result):
+            break
+        snapshot.restore()
+        snapshot = _StepSnapshot.take(net)
+        result = run()
+    return result
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _any_rank(flag: bool, result: StepResult) -> bool:
+    """``flag`` on any rank (a world of 1: this one's)."""
+    if get_world_size() == 1:
+        return flag
+    return bool(all_reduce_max_(torch.tensor([float(flag)], device=result.loss.device)).item())
+
+
+@dataclass
+class _StepSnapshot:
+    """What a step changes besides the optimizer's state: the RNG streams, the gradients, the norm layers'
+    running statistics; enough to run the step again as if the first run never happened."""
+
+    rng: Any
+    grads: list[tuple[nn.Parameter, Tensor | None]]
+    buffers: list[tuple[Tensor, Tensor]]
+    states: list[str]  # of the network's compiled forwards, in `compiled_forwards` order
+
+    @classmethod
+    def take(cls, net: nn.Module) -> _StepSnapshot:
+        grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in net.parameters()]
+        norms = [m for m in net.modules() if isinstance(m, _NormBase)]
+        buffers = [(b, b.detach().clone()) for m in norms for b in _norm_buffers(m)]
+        return cls(rng_state(), grads, buffers, [f.state for f in compiled_forwards(net)])
+
+    def restore(self) -> None:
+        restore_rng_state(self.rng)
+        with torch.no_grad():
+            for p, grad in self.grads:
+                p.grad = grad
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
+
+
+def _global_batch_step_once(
+    model: nn.Module,
+    inputs: Tensor,
+    labels: Tensor,
+    loss_fn: nn.Module,
+    chunk_size: int,
+    *,
+    preprocess: Preprocess | None = None,
+    freeze_bn: bool = True,
+    autocast_dtype: torch.dtype | None = None,
+    skip_nonfinite: bool = False,
+    channels_last: bool = False,
+    grad_scaler: torch.amp.GradScaler | None = None,
+) -> StepResult:
     start = time.perf_counter()
     ddp = model if isinstance(model, DistributedDataParallel) else None
     net = ddp.module if ddp is not None else model

@@ -153,6 +153,62 @@ def test_compile_failure_falls_back_to_eager_with_one_warning() -> None:
     assert_grads_close(grads_of(model), want, 1e-10)
 
 
+def _bad_backward_backend(gm, example_inputs):
+    """Compiles forward graphs, fails on every backward: AOTAutograd compiled backwards lazily, at the
+    engine's first backward, outside the compiled forward's fallback."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward(graph, _inputs):
+        return graph.forward
+
+    def backward(_graph, _inputs):
+        raise RuntimeError("no kernel for this backward")
+
+    return aot_autograd(fw_compiler=forward, bw_compiler=backward)(gm, example_inputs)
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_a_backward_that_does_not_compile_falls_back_to_eager(chunk: int) -> None:
+    images, labels = make_batch(18, seed=5)
+    loss_fn = SmoothAPLoss()
+    model = make_model(seed=6)
+    _, want = reference_step(frozen_bn(model), loss_fn, images, labels)
+    compile_network(model, backend=_bad_backward_backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        global_batch_step(model, images, labels, loss_fn, chunk, preprocess=preprocess)
+    assert any("no kernel for this backward" in str(w.message) for w in caught)
+    assert compile_state(model) == "eager"
+    assert_grads_close(grads_of(model), want, 1e-10)
+
+
+def test_a_fallback_within_a_step_runs_the_step_again_eagerly() -> None:
+    """Pass 1 ran inductor's no-grad graph (its dropout masks); the grad-mode graph then failed and pass 2
+    replayed the chunks eagerly, with eager's masks: a gradient of no single forward (relative error 1.2)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def no_grad_only(gm, example_inputs):
+        if torch.is_grad_enabled():
+            raise RuntimeError("this backward does not compile")
+        return compile_fx(gm, example_inputs)
+
+    images, labels = make_batch(18, seed=5)
+    loss_fn = SmoothAPLoss()
+    reference = frozen_bn(make_model(seed=6, dropout=0.3))
+    model = compile_network(copy.deepcopy(reference), backend=no_grad_only)
+    torch.manual_seed(123)
+    x = preprocess(images)
+    loss_fn(torch.cat([reference(x[s:e]) for s, e in bounds_of(18, 7)]), labels).backward()
+    after_reference = torch.rand(3)
+    torch.manual_seed(123)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        global_batch_step(model, images, labels, loss_fn, 7, preprocess=preprocess)
+    assert compile_state(model) == "eager"
+    assert torch.equal(torch.rand(3), after_reference)  # one step's draws, not two
+    assert _relative_error(grads_of(model), grads_of(reference)) < 1e-10
+
+
 def test_errors_of_the_call_itself_propagate_and_keep_compilation() -> None:
     model = compile_network(make_model(seed=9), backend="aot_eager")
     with pytest.raises(RuntimeError):
