@@ -23,6 +23,7 @@ every rank's batch fits in one chunk, the batch is embedded once with autograd a
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -288,6 +289,14 @@ def _global_batch_step_once(
         raise ValueError(
             "freeze_bn=False with SyncBatchNorm needs one chunk per rank (ranks may run different numbers "
             "of chunks, which would desynchronise its collectives): raise chunk_size or freeze BatchNorm"
+        )
+    if freeze_bn and not one_pass and _batch_statistics_only(net):
+        warnings.warn(
+            "freeze_bn=True cannot freeze BatchNorm without running statistics (track_running_stats=False): "
+            "it normalises every chunk by the chunk's own statistics, so the step is not the global batch's "
+            "exact gradient (it depends on chunk_size)",
+            RuntimeWarning,
+            stacklevel=3,
         )
     reduce_manually = ddp is None and world > 1
     params = [p for p in net.parameters() if p.requires_grad]
@@ -669,6 +678,11 @@ def _training_norms(net: nn.Module) -> list[_NormBase]:
 
 def _norm_buffers(m: _NormBase) -> list[Tensor]:
     return [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+
+
+def _batch_statistics_only(net: nn.Module) -> bool:
+    """BatchNorm layers that normalise by the batch even in eval mode: they keep no running statistics."""
+    return any(isinstance(m, _BatchNorm) and m.running_mean is None for m in net.modules())
 
 
 def _has_training_syncbn(net: nn.Module) -> bool:
