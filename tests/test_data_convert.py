@@ -188,14 +188,56 @@ def test_csv_with_categories_and_splits(tmp_path: Path) -> None:
         "animal",
     ]
     assert info.splits["train"].num_samples == 8 and info.splits["test"].num_samples == 4
-    # A class listed under two categories (its samples carried both; class_to_category kept the last)
+    # A class listed under two categories (its samples carried both; class_to_category kept the last; then
+    # the build stopped, which an In-Shop item filed under two category folders would do to the whole set)
     rows[5] = rows[5].replace(",vehicle,", ",animal,")
     (tmp_path / "list.csv").write_text("\n".join(rows) + "\n")
-    with pytest.raises(
-        SourceLayoutError,
-        match=r"class 'k0' is in two categories: 'vehicle' \(img/0.jpg\) and 'animal' \(img/4.jpg\)",
-    ):
-        prepare("csv", str(tmp_path / "list.csv"), tmp_path / "out2", progress=False)
+    mixed = prepare("csv", str(tmp_path / "list.csv"), tmp_path / "out2", progress=False)
+    k0 = mixed.class_names.index("k0")
+    assert mixed.category_names[mixed.class_to_category[k0]] == "vehicle"  # 2 of its 3 images
+    assert "1 class(es) had images in more than one category; each takes its most common one: k0 " in (
+        " ".join(mixed.notes)
+    )
+    categories = {category for cls, category, _ in read_all(tmp_path / "out2", "train") if cls == k0}
+    assert categories == {mixed.class_to_category[k0]}  # every sample of the class carries it too
+
+
+def test_a_class_in_train_and_an_evaluation_is_noted(tmp_path: Path) -> None:
+    """train/dog and test/dog (or a list's split column) built one class in both splits without a word:
+    its test metrics measure a class the model trains on."""
+    for split, names in (("train", ("cat", "dog")), ("test", ("dog", "emu"))):
+        for name in names:
+            for j in range(2):
+                write_image(tmp_path / "src" / split / name / f"{j}.jpg", j)
+    info = prepare("folder", str(tmp_path / "src"), tmp_path / "out", progress=False)
+    assert info.notes == [
+        "evaluation 'test': 1 of its 2 classes are also in train (its metrics are not held-out figures "
+        "for them): dog"
+    ]
+
+
+def test_split_folders_and_values_in_any_case(tmp_path: Path) -> None:
+    """Train/ and Test/ were read as two classes (every class of a split merged into one); a list's Train
+    and Test values became two evaluated splits and no train split; a BOM broke the header."""
+    for split in ("Train", "Test"):
+        for name in ("a", "b") if split == "Train" else ("c", "d"):
+            for j in range(2):
+                write_image(tmp_path / "src" / split / name / f"{j}.jpg", j)
+    info = prepare("folder", str(tmp_path / "src"), tmp_path / "out", progress=False)
+    assert sorted(info.splits) == ["test", "train"] and info.splits["train"].num_classes == 2
+    assert [(e.name, e.query) for e in info.evaluations] == [("test", "test")]
+    (tmp_path / "src" / "train" / "e").mkdir(parents=True)
+    with pytest.raises(SourceLayoutError, match=r"two folders for split 'train' \(Train/, train/\)"):
+        prepare("folder", str(tmp_path / "src"), tmp_path / "out_twins", progress=False)
+    rows = ["path,class,split"] + [
+        f"src/{split}/{name}/{j}.jpg,{name},{split}"
+        for split, names in (("Train", "ab"), ("Test", "cd"))
+        for name in names
+        for j in range(2)
+    ]
+    (tmp_path / "list.csv").write_text("\ufeff" + "\r\n".join(rows) + "\r\n", encoding="utf-8")
+    listed = prepare("csv", str(tmp_path / "list.csv"), tmp_path / "out_csv", progress=False)
+    assert sorted(listed.splits) == ["test", "train"] and listed.splits["test"].num_samples == 4
 
 
 def test_sop_layout(tmp_path: Path) -> None:

@@ -121,6 +121,7 @@ def prepare_dataset(
             images = sum(s.num_samples for s in old.splits.values())
             _say(progress, f"{out}: up to date ({images} images)")
             return old
+        _one_category_per_class(source)
         class_ids, category_ids = _label_ids(source)
         plans = _plan_shards(source, class_ids, category_ids, shard_size, group_size, seed)
         records = _write_all(out, plans, fingerprint, resize, workers, progress)
@@ -187,6 +188,35 @@ def _fingerprint(
     return digest.hexdigest()
 
 
+def _one_category_per_class(source: SourceDataset) -> None:
+    """Give every image of a class its class's most common category (ties: the first in natural order),
+    with a note naming the classes changed. FastAP's hard sampling draws classes by category, so a class
+    has one; a list that files some of a class's images elsewhere (an In-Shop item under two category
+    folders) stopped the whole build."""
+    seen: dict[str, Counter[str]] = defaultdict(Counter)
+    for item in source.items:
+        if item.category is not None:
+            seen[item.class_name][item.category] += 1
+    mixed = {
+        name: min(counts, key=lambda c: (-counts[c], natural_key(c)))
+        for name, counts in seen.items()
+        if len(counts) > 1
+    }
+    if not mixed:
+        return
+    for item in source.items:
+        if item.class_name in mixed and item.category is not None:
+            item.category = mixed[item.class_name]
+    shown = ", ".join(
+        f"{name} ({'/'.join(sorted(seen[name], key=natural_key))} -> {category})"
+        for name, category in sorted(mixed.items())[:10]
+    )
+    source.notes.append(
+        f"{len(mixed)} class(es) had images in more than one category; each takes its most common one: "
+        f"{shown}" + (" ..." if len(mixed) > 10 else "")
+    )
+
+
 def _label_ids(source: SourceDataset) -> tuple[dict[str, int], dict[str, int]]:
     """Class ids in split order then natural name order; category ids in natural name order."""
     rank = {s: i for i, s in enumerate(source.split_order)}
@@ -200,11 +230,8 @@ def _label_ids(source: SourceDataset) -> tuple[dict[str, int], dict[str, int]]:
         if item.category is not None:
             categories.add(item.category)
             known = category_of.setdefault(item.class_name, (item.category, item.path))
-            if known[0] != item.category:  # one category per class: FastAP's hard sampling draws by it
-                raise SourceLayoutError(
-                    f"class {item.class_name!r} is in two categories: {known[0]!r} ({known[1]}) and "
-                    f"{item.category!r} ({item.path})"
-                )
+            if known[0] != item.category:  # `_one_category_per_class` settled these before
+                raise AssertionError(f"class {item.class_name!r} is in two categories")
     classes = sorted(first_split, key=lambda c: (first_split[c], natural_key(c)))
     ordered_categories = sorted(categories, key=natural_key)
     return {c: i for i, c in enumerate(classes)}, {c: i for i, c in enumerate(ordered_categories)}
@@ -422,6 +449,7 @@ def _build_info(
             notes.append(f"evaluation {evaluation.name!r} left out: split {missing[0]!r} has no images")
         else:
             evaluations.append(evaluation)
+    notes += _shared_class_notes(splits, evaluations, sorted(class_ids, key=class_ids.__getitem__))
     return DatasetInfo(
         name=source.name,
         source_format=source_format,
@@ -437,6 +465,35 @@ def _build_info(
         skipped=skipped,
         notes=notes,
     )
+
+
+def _shared_class_notes(
+    splits: dict[str, SplitInfo], evaluations: list[Evaluation], class_names: list[str]
+) -> list[str]:
+    """Classes of the train split that an evaluation also reads: retrieval tests on classes never trained
+    on, and a class in both (a folder under train/ and test/, a list's split column) was built silently."""
+    if "train" not in splits:
+        return []
+    trained = {c for shard in splits["train"].shards for c, _ in shard.class_counts}
+    notes = []
+    for evaluation in evaluations:
+        if "train" in (evaluation.query, evaluation.gallery):
+            continue
+        read = {
+            c
+            for name in (evaluation.query, evaluation.gallery)
+            if name is not None
+            for shard in splits[name].shards
+            for c, _ in shard.class_counts
+        }
+        shared = sorted(read & trained)
+        if shared:
+            shown = ", ".join(class_names[c] for c in shared[:10]) + (" ..." if len(shared) > 10 else "")
+            notes.append(
+                f"evaluation {evaluation.name!r}: {len(shared)} of its {len(read)} classes are also in train "
+                f"(its metrics are not held-out figures for them): {shown}"
+            )
+    return notes
 
 
 def _report(info: DatasetInfo, progress: bool) -> None:

@@ -18,7 +18,7 @@ def scan_csv(
         raise SourceLayoutError(f"csv: {source} is not a file")
     root = image_root or source.parent
     items = []
-    with source.open(newline="") as handle:
+    with source.open(newline="", encoding="utf-8-sig") as handle:  # a spreadsheet's BOM is not the header
         reader = csv.DictReader(handle)
         fields = {f.strip().lower(): f for f in reader.fieldnames or []}
         missing = {"path", "class"} - set(fields)
@@ -32,7 +32,7 @@ def scan_csv(
             if not path or not cls:
                 raise SourceLayoutError(f"csv: {source}:{line}: empty path or class")
             category = (row[fields["category"]] or "").strip() or None if "category" in fields else None
-            split = (row[fields["split"]] or "").strip() or "train" if "split" in fields else "train"
+            split = (row[fields["split"]] or "").strip().lower() or "train" if "split" in fields else "train"
             items.append(SourceItem(split, cls, path, file=root / path, category=category))
     if not items:
         raise SourceLayoutError(f"csv: {source} has no rows")

@@ -25,10 +25,18 @@ def scan_folder(source: Path, test_fraction: float = 0.0, seed: int = 0) -> Sour
     if not source.is_dir():
         raise SourceLayoutError(f"folder: {source} is not a directory")
     subdirs = sorted(p for p in source.iterdir() if p.is_dir())
-    split_dirs = [p for p in subdirs if p.name in SPLIT_NAMES]
+    # Any case: Train/ and Test/ read as two classes merged every class of a split into one.
+    split_dirs = [p for p in subdirs if p.name.lower() in SPLIT_NAMES]
+    names = [p.name.lower() for p in split_dirs]
+    twins = sorted({n for n in names if names.count(n) > 1})
+    if twins:
+        raise SourceLayoutError(
+            f"folder: {source} has two folders for split {twins[0]!r} "
+            f"({', '.join(p.name + '/' for p in split_dirs if p.name.lower() == twins[0])}): merge them"
+        )
     # Published layouts keep metadata folders beside the split folders (VGGFace2's bb_landmark/): those
     # hold no images and are skipped with a note; a folder that does hold images makes the layout ambiguous.
-    others = [p for p in subdirs if p.name not in SPLIT_NAMES and not _ignored(p)]
+    others = [p for p in subdirs if p.name.lower() not in SPLIT_NAMES and not _ignored(p)]
     notes = []
     with_images = [p for p in others if _has_images(p)] if split_dirs else []
     if with_images:  # which is it? As classes, train/ would be one class holding every training image
@@ -46,10 +54,10 @@ def scan_folder(source: Path, test_fraction: float = 0.0, seed: int = 0) -> Sour
             )
         items = []
         for d in split_dirs:
-            found, found_notes = _class_items(d, d.name, source)
+            found, found_notes = _class_items(d, d.name.lower(), source)
             items += found
             notes += found_notes
-        splits = [s for s in SPLIT_NAMES if any(d.name == s for d in split_dirs)]
+        splits = [s for s in SPLIT_NAMES if s in names]
         notes += [f"folder: {p.name}/ holds no images and is not a split: ignored" for p in others]
     else:
         items, notes = _class_items(source, "train", source)
