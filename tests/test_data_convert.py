@@ -395,6 +395,36 @@ def test_cars_layout(tmp_path: Path, kind: str) -> None:
     assert [info.splits[s].num_samples for s in ("train", "test")] == [4, 4]
 
 
+def test_cars_devkit_layout(tmp_path: Path) -> None:
+    """The devkit release (torchvision's StanfordCars, Kaggle): two annotation files whose image names repeat
+    across cars_train/ and cars_test/, class names in devkit/cars_meta.mat. It was refused."""
+    from scipy.io import savemat
+
+    names = ["AM General Hummer SUV 2000", "Acura RL Sedan 2012", "Audi R8 Coupe 2012", "BMW M3 Coupe 2012"]
+    dtype = [("bbox_x1", object), ("bbox_y1", object), ("class", object), ("fname", object)]
+    (tmp_path / "devkit").mkdir()
+    for folder, annos, first in (
+        ("cars_train", tmp_path / "devkit" / "cars_train_annos.mat", 0),
+        ("cars_test", tmp_path / "cars_test_annos_withlabels.mat", 4),
+    ):
+        records = []
+        for i in range(4):  # every class in both halves, as in the release
+            fname = f"{i + 1:05d}.jpg"
+            write_image(tmp_path / folder / fname, first + i)
+            records.append((0, 0, i + 1, fname))
+        savemat(annos, {"annotations": np.array(records, dtype=dtype)})
+    savemat(tmp_path / "devkit" / "cars_meta.mat", {"class_names": np.array(names, dtype=object)})
+    info = prepare("cars", str(tmp_path), tmp_path / "out", progress=False)
+    assert info.class_names == names
+    assert [info.splits[s].num_samples for s in ("train", "test")] == [4, 4]  # classes 1-2 / 3-4, both halves
+    assert {m["path"] for _, _, m in read_all(tmp_path / "out", "train")} == {
+        f"{folder}/{i:05d}.jpg" for folder in ("cars_train", "cars_test") for i in (1, 2)
+    }
+    (tmp_path / "cars_test_annos_withlabels.mat").unlink()
+    with pytest.raises(SourceLayoutError, match=r"without cars_test_annos_withlabels.mat"):
+        prepare("cars", str(tmp_path), tmp_path / "out2", progress=False)
+
+
 def test_cli_prepare(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     for i in range(4):
         write_image(tmp_path / "src" / f"c{i % 2}" / f"{i}.png", i, "PNG")

@@ -1,5 +1,8 @@
-"""Cars196: `cars_annos.mat` (fields relative_im_path, class, test; class_names) or the same columns
-in `cars_annos.csv`; classes 1-98 train, 99-196 test (DML convention; the `test` flag is ignored)."""
+"""Cars196: `cars_annos.mat` (fields relative_im_path, class, test; class_names), the same columns in
+`cars_annos.csv`, or the devkit release (`devkit/cars_{meta,train_annos}.mat`,
+`cars_test_annos_withlabels.mat`, images in `cars_train/` and `cars_test/`: what torchvision's StanfordCars
+and the Kaggle copy ship); classes 1-98 train, 99-196 test (DML convention; the release's own train/test
+division is ignored)."""
 
 from __future__ import annotations
 
@@ -15,8 +18,12 @@ def scan_cars(source: Path) -> SourceDataset:
         rows, names = _read_mat(source / "cars_annos.mat")
     elif (source / "cars_annos.csv").is_file():
         rows, names = _read_csv(source / "cars_annos.csv")
+    elif (source / "devkit" / "cars_train_annos.mat").is_file():
+        rows, names = _read_devkit(source)
     else:
-        raise SourceLayoutError(f"cars: neither cars_annos.mat nor cars_annos.csv under {source}")
+        raise SourceLayoutError(
+            f"cars: none of cars_annos.mat, cars_annos.csv or devkit/cars_train_annos.mat under {source}"
+        )
     num_classes = max((c for _, c in rows), default=0)
     unlisted = sorted(set(range(1, num_classes + 1)) - {c for _, c in rows})
     if min((c for _, c in rows), default=0) < 1 or unlisted:  # class_id - 1 indexes the names
@@ -50,6 +57,44 @@ def _read_mat(path: Path) -> tuple[list[tuple[str, int]], list[str]]:
     annotations = annotations if hasattr(annotations, "__len__") else [annotations]
     rows = [(str(a.relative_im_path), int(getattr(a, "class"))) for a in annotations]
     names = [str(n) for n in mat.get("class_names", [])]
+    return rows, names
+
+
+def _read_devkit(source: Path) -> tuple[list[tuple[str, int]], list[str]]:
+    """Both halves of the devkit release as one list: file names are per folder (00001.jpg in each)."""
+    from scipy.io import loadmat
+
+    test = next(
+        (
+            p
+            for p in (
+                source / "cars_test_annos_withlabels.mat",
+                source / "devkit" / "cars_test_annos_withlabels.mat",
+            )
+            if p.is_file()
+        ),
+        None,
+    )
+    if test is None:
+        raise SourceLayoutError(
+            f"cars: {source}/devkit/cars_train_annos.mat without cars_test_annos_withlabels.mat (the test "
+            f"half's labels, released separately): put it in {source} or devkit/"
+        )
+    rows: list[tuple[str, int]] = []
+    for path, folder in ((source / "devkit" / "cars_train_annos.mat", "cars_train"), (test, "cars_test")):
+        mat = loadmat(str(path), squeeze_me=True, struct_as_record=False)
+        if "annotations" not in mat:
+            raise SourceLayoutError(f"cars: {path} has no 'annotations' variable")
+        annotations = mat["annotations"]
+        annotations = annotations if hasattr(annotations, "__len__") else [annotations]
+        try:
+            rows += [(f"{folder}/{a.fname}", int(getattr(a, "class"))) for a in annotations]
+        except AttributeError as exc:  # the unlabelled cars_test_annos.mat has no class field
+            raise SourceLayoutError(f"cars: {path}: annotations without class labels ({exc})") from None
+    meta = source / "devkit" / "cars_meta.mat"
+    names = (
+        [str(n) for n in loadmat(str(meta), squeeze_me=True).get("class_names", [])] if meta.is_file() else []
+    )
     return rows, names
 
 
