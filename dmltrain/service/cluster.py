@@ -322,29 +322,28 @@ def check_shared_paths(
     checks: list[_SharedCheck] = []
     problems: list[str] = []
     markers: list[Path] = []
-    storage = config.run.storage_path
-    if is_local(storage):
+
+    def written_by_the_driver(key: str, value: str, folder: str, remedy: str = "") -> None:
+        """A token file the driver writes in ``folder``, for every other node to find."""
         try:
-            markers.append(_write_marker(Path(local_path(storage))))
-        except OSError as exc:
-            problems.append(f"run.storage_path={storage}: the driver cannot write there ({exc})")
-        else:
-            marker = str(markers[-1])
-            checks.append(_SharedCheck("run.storage_path", storage, marker, file_fingerprint(marker) or ""))
-    if artifact_root is not None and is_local(artifact_root):
-        key = "mlflow.experiment"
-        value = f"{config.mlflow.experiment} (artifacts at {artifact_root})"
-        remedy = (
-            "use an experiment whose artifact location every node shares (an s3:// URI, a shared mount), or "
-            "an MLflow server that proxies artifacts (mlflow server --serve-artifacts)"
-        )
-        try:
-            markers.append(_write_marker(Path(local_path(artifact_root))))
+            markers.append(_write_marker(Path(local_path(folder))))
         except OSError as exc:
             problems.append(f"{key}={value}: the driver cannot write there ({exc})")
         else:
             marker = str(markers[-1])
             checks.append(_SharedCheck(key, value, marker, file_fingerprint(marker) or "", remedy))
+
+    storage = config.run.storage_path
+    if is_local(storage):
+        written_by_the_driver("run.storage_path", storage, storage)
+    if artifact_root is not None and is_local(artifact_root):
+        written_by_the_driver(
+            "mlflow.experiment",
+            f"{config.mlflow.experiment} (artifacts at {artifact_root})",
+            artifact_root,
+            "use an experiment whose artifact location every node shares (an s3:// URI, a shared mount), or "
+            "an MLflow server that proxies artifacts (mlflow server --serve-artifacts)",
+        )
     if is_local(config.data.root):
         dataset_json = os.path.join(local_path(config.data.root), "dataset.json")
         expected = file_fingerprint(dataset_json)
