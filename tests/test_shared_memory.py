@@ -84,6 +84,27 @@ def test_this_machines_shared_memory_is_read_and_compared() -> None:
     assert "/dev/shm holds" in problem and "--shm-size" in problem and "\n" not in problem
 
 
+def test_a_shared_memory_without_a_size_limit_refuses_nothing(tmp_path: Path) -> None:
+    """A tmpfs mounted with size=0 (no limit) reports 0 blocks: it was read as holding 0 MiB, and every run
+    with loader workers was refused. Mounted in a private mount namespace (root and unshare needed)."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to mount a tmpfs in a private namespace")
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    code = (
+        "from dmltrain.data.shared_memory import shared_memory_problem, shared_memory_size; "
+        f"print(shared_memory_size({str(folder)!r}), shared_memory_problem(2**40, 'x', path={str(folder)!r}))"
+    )
+    script = f'mount -t tmpfs -o size=0 tmpfs {folder} && exec {sys.executable} -c "{code}"'
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["None", "None"]
+
+
 def test_only_running_out_of_shared_memory_is_explained() -> None:
     """torch's two messages (no room for a new segment; a worker killed by SIGBUS) become one line; any
     other loader failure stays as it was. The error ends a run without a retry, set up or in the loop."""

@@ -85,10 +85,14 @@ def eval_loader_bytes(batch_size: int, loader_workers: int, image_size: int, pre
 
 
 def shared_memory_size(path: str = SHM_DIR) -> tuple[int, int] | None:
-    """(capacity, free) of the shared-memory file system in bytes, or None where there is none."""
+    """(capacity, free) of the shared-memory file system in bytes, or None where there is none or it has no
+    limit: a tmpfs mounted with ``size=0`` reports 0 blocks, and was read as holding nothing (every run with
+    loader workers refused)."""
     try:
         stats = os.statvfs(path)
     except OSError:
+        return None
+    if stats.f_blocks == 0:
         return None
     return stats.f_blocks * stats.f_frsize, stats.f_bavail * stats.f_frsize
 
