@@ -48,12 +48,19 @@ mkdir -p "$out" && : >"$out/summary.txt"
 export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
 SHARE=${SHARE:-0.3}
 
+# A later call on the still-warm machine is a fresh shell: the pack installed by an earlier one is in
+# /tmp/site, but only on the path when put there again.
+site() { export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"; }
+[ -d /tmp/site ] && site
 if ! python3 -c "import ray" 2>/dev/null && [ -x .device-pack/install.sh ]; then
   bash .device-pack/install.sh >"$out/install.log" 2>&1 || { echo "install failed: $out/install.log"; exit 1; }
-  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
+  site
 fi
+python3 -c "import ray, mlflow, webdataset, pydantic" 2>/dev/null \
+  || { echo "no device pack: build it (bash ../shared/tools/device_pack.sh .device-pack) and carry it"; exit 3; }
 { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+  df -B1 --output=target,size,avail /dev/shm 2>/dev/null | tail -n 1  # the loaders' shared memory
   git log --oneline -1 2>/dev/null || true; } | tee "$out/machine.txt"
 
 run() {  # run NAME SECONDS COMMAND...: within the deadline, logged, its exit status in the summary
@@ -64,7 +71,10 @@ run() {  # run NAME SECONDS COMMAND...: within the deadline, logged, its exit st
   local start=$SECONDS
   timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
-  { echo "$name: exit $rc in $((SECONDS - start)) s (limit $limit s$([ $rc -ge 124 ] && echo ', timed out'))"
+  local why=""
+  [ $rc -eq 124 ] && why=", timed out"
+  [ $rc -eq 137 ] && why=", killed (past the limit's grace, or out of memory)"
+  { echo "$name: exit $rc in $((SECONDS - start)) s (limit $limit s$why)"
     echo "  last line: $(grep -v '^\s*$' "$out/$name.log" | tail -n 1 | cut -c1-300)"; } | tee -a "$out/summary.txt"
 }
 
