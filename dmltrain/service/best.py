@@ -9,12 +9,14 @@ latest. The tracker's state is checkpointed, so patience survives a restart.
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
 SCORE_KEY = "checkpoint_score"
+log = logging.getLogger("dmltrain.service.best")
 
 
 def worst_score(mode: Literal["max", "min"]) -> float:
@@ -105,8 +107,27 @@ class BestTracker:
         return self.patience is not None and self.stale >= self.patience
 
     def state_dict(self) -> dict[str, Any]:
-        return {"score": self.score, "step": self.step, "stale": self.stale}
+        return {
+            "score": self.score,
+            "step": self.step,
+            "stale": self.stale,
+            "metric": self.metric,
+            "mode": self.mode,
+        }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        if state:
-            self.score, self.step, self.stale = state["score"], int(state["step"]), int(state["stale"])
+        """The saved best, unless it ranks another metric or direction (a resume that changed
+        ``train.best_metric``/``best_mode``): then the best starts afresh, with a warning; a MAP@R was
+        compared with a Recall@1 best, and patience ran out on improvements it could not see."""
+        if not state:
+            return
+        saved = (state.get("metric", self.metric), state.get("mode", self.mode))  # older checkpoints: neither
+        if saved != (self.metric, self.mode):
+            log.warning(
+                "the checkpoint's best ranks %s (%s); this run ranks %s (%s): the best starts afresh",
+                *saved,
+                self.metric,
+                self.mode,
+            )
+            return
+        self.score, self.step, self.stale = state["score"], int(state["step"]), int(state["stale"])
