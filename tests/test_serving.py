@@ -587,6 +587,15 @@ def test_best_tracker_patience_and_state() -> None:
     restored.load_state_dict(tracker.state_dict())
     assert not restored.update({"eval/test/recall@1": 0.4}, 30) and restored.should_stop
     assert (restored.score, restored.step) == (0.5, 10)
+    # A resume that ranks another metric (train.best_metric changed under run.resume=must) compared MAP@R
+    # with the Recall@1 best and ran out of patience on improvements it could not see.
+    other = BestTracker("eval/test/map@r", "max", 0.01, 2)
+    other.load_state_dict(tracker.state_dict())
+    assert (other.score, other.step, other.stale) == (None, -1, 0)
+    assert other.update({"eval/test/map@r": 0.2}, 30) and other.update({"eval/test/map@r": 0.3}, 40)
+    legacy = BestTracker("eval/test/recall@1", "max", 0.01, 2)  # a checkpoint of before: no metric saved
+    legacy.load_state_dict({"score": 0.5, "step": 10, "stale": 1})
+    assert (legacy.score, legacy.step, legacy.stale) == (0.5, 10, 1)
     low = BestTracker("eval/test/map@r", "min")
     assert low.update({"eval/test/map@r": 0.3}, 1) and low.update({"eval/test/map@r": 0.2}, 2)
     assert not low.update({"eval/test/map@r": 0.25}, 3) and low.step == 2

@@ -7,6 +7,7 @@ stops the run: a deterministic early stop whose best and final models are differ
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -117,21 +118,29 @@ def test_best_checkpoint_early_stop_models_and_registry(
     final_model = publish_run_models(stale, config, uri, outcome.mlflow_run_id).models["model"]
     assert final_model == (outcome.models["model"], 4)
 
-    # A later launch that publishes a newer best_model (the step-4 checkpoint scored best) tags the one it
-    # replaces: the run listed two best_model entries, the older still carrying its score, and nothing
-    # told them apart. The best_model names the metric it was chosen by.
+    # Ray's list without the run's best (a checkpoint stored while the driver died is never registered
+    # with Ray): best_model was the best of the rest. The run's own tracker (in the final checkpoint)
+    # names step 2, whose checkpoint is still in storage: that one is the best model.
     from dmltrain.service.best import SCORE_KEY
+    from dmltrain.service.checkpoints import load_state, save_state
     from dmltrain.service.serving.publish import SUPERSEDED_TAG
     from dmltrain.service.serving.pyfunc import STEP_PARAM
 
+    step4 = Checkpoint(str(older.path).replace(checkpoint_dir_name(2), checkpoint_dir_name(4)))
+    unregistered = SimpleNamespace(checkpoint=step4, best_checkpoints=[(step4, {SCORE_KEY: 0.5})])
+    best_again = publish_run_models(unregistered, config, uri, outcome.mlflow_run_id).models["best_model"]
+    assert best_again == (outcome.models["best_model"], 2)
+
+    # A later launch that publishes a newer best_model (the step-4 checkpoint scored best, for Ray and the
+    # tracker) tags the one it replaces: the run listed two best_model entries, the older still carrying
+    # its score, and nothing told them apart. The best_model names the metric it was chosen by.
+    rescored = tmp_path / "rescored" / checkpoint_dir_name(4)
+    shutil.copytree(step4.path, rescored)
+    state = load_state(rescored)
+    state.extra["best"] = {**state.extra["best"], "score": 1.0, "step": 4}
+    save_state(rescored, state)
     newer = SimpleNamespace(
-        checkpoint=stale.checkpoint,
-        best_checkpoints=[
-            (
-                Checkpoint(str(older.path).replace(checkpoint_dir_name(2), checkpoint_dir_name(4))),
-                {SCORE_KEY: 1.0},
-            )
-        ],
+        checkpoint=Checkpoint(str(rescored)), best_checkpoints=[(Checkpoint(str(rescored)), {SCORE_KEY: 1.0})]
     )
     publish_run_models(newer, config, uri, outcome.mlflow_run_id, "eval/test/map@r")
     bests = client.search_logged_models([experiment], filter_string=f"{query} AND name = 'best_model'")

@@ -94,6 +94,22 @@ def count_ray_checkpoints(storage_path: str, name: str) -> int | None:
     )
 
 
+def checkpoint_stored(uri: str) -> bool:
+    """Whether the checkpoint at ``uri`` (`checkpoint_uri`: a local path or an s3://-style URI) holds its
+    state file; False also when the storage cannot be asked."""
+    import pyarrow.fs
+
+    from dmltrain.data.urls import is_local, local_path
+
+    try:
+        if is_local(uri):
+            return (Path(local_path(uri)) / STATE_FILE).is_file()
+        filesystem, path = pyarrow.fs.FileSystem.from_uri(uri)
+        return filesystem.get_file_info(f"{path.rstrip('/')}/{STATE_FILE}").type == pyarrow.fs.FileType.File
+    except Exception:  # no credentials, unknown scheme, network
+        return False
+
+
 def save_state(directory: str | os.PathLike[str], state: TrainingState) -> Path:
     path = Path(directory) / STATE_FILE
     torch.save(state.__dict__, path)

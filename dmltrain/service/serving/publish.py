@@ -16,7 +16,7 @@ from typing import Any
 
 from dmltrain.service.best import SCORE_KEY, is_scored
 from dmltrain.service.builders import resolve_preprocessing
-from dmltrain.service.checkpoints import checkpoint_dir_step, checkpoint_uri, load_state
+from dmltrain.service.checkpoints import checkpoint_dir_step, checkpoint_stored, checkpoint_uri, load_state
 from dmltrain.service.config import ExperimentConfig
 from dmltrain.service.mlflow_scope import tracking_uri
 from dmltrain.service.serving.pyfunc import STEP_PARAM, log_embedding_model
@@ -69,13 +69,16 @@ def _run_models(client: Any, run_id: str, name: str) -> list[Any]:
 
 def _log_checkpoint(
     checkpoint: Any, config: ExperimentConfig, tracking: str, run_id: str, name: str, tags: dict[str, str]
-) -> tuple[str, int]:
+) -> tuple[str, int, dict[str, Any] | None]:
+    """Log ``checkpoint``'s weights as model ``name`` (unless logged before); returns its URI, its step
+    and the best-evaluation tracker's state it carries."""
     with checkpoint.as_directory() as directory, tempfile.TemporaryDirectory() as tmp:
         state = load_state(directory)
+        tracked = state.extra.get("best")
         logged = _already_logged(tracking, run_id, name, state.step)
         if logged is not None:
             log.info("%s (step %d) was logged before, as %s: kept", name, state.step, logged)
-            return logged, state.step
+            return logged, state.step, tracked
         weights = save_weights(
             Path(tmp) / WEIGHTS_FILE,
             state.model,
@@ -86,7 +89,7 @@ def _log_checkpoint(
         info = log_embedding_model(tracking, run_id, name, weights, step=state.step, tags=tags)
     log.info("logged %s (step %d) as runs:/%s/%s", name, state.step, run_id, name)
     _mark_superseded(tracking, run_id, name, info.model_id, state.step)
-    return info.model_uri, state.step
+    return info.model_uri, state.step, tracked
 
 
 def _mark_superseded(tracking: str, run_id: str, name: str, newest: str, step: int) -> None:
@@ -110,6 +113,27 @@ def best_checkpoint(result: Any, config: ExperimentConfig) -> tuple[Any, float] 
         return None
     pick = max if config.train.best_mode == "max" else min
     return pick(scored, key=lambda item: item[1])
+
+
+def tracked_best(
+    ranked: tuple[Any, float] | None, tracked: dict[str, Any] | None, config: ExperimentConfig
+) -> tuple[Any, float] | None:
+    """The best checkpoint as the run's own tracker saw it (``tracked``: its state in the final
+    checkpoint), where Ray's list (``ranked``) does not hold it: a checkpoint stored while the driver died
+    was never registered with Ray, and `best_checkpoint` then published the best of the rest (step 20 at
+    Recall@1 0.02 over step 10 at 0.83). Ray's pick otherwise."""
+    if not tracked or tracked.get("score") is None or int(tracked.get("step", -1)) < 0:
+        return ranked
+    step = int(tracked["step"])
+    if ranked is not None and checkpoint_dir_step(str(ranked[0].path)) == step:
+        return ranked
+    uri = checkpoint_uri(config.run.storage_path, config.run.name, step)
+    if not checkpoint_stored(uri):  # deleted by Ray's keep-N since (it ranked it lower): keep Ray's pick
+        return ranked
+    import ray.train
+
+    log.info("best model from the step-%d checkpoint the run's tracker chose (%s)", step, uri)
+    return ray.train.Checkpoint(uri), float(tracked["score"])
 
 
 def final_checkpoint(result: Any, config: ExperimentConfig, tracking: str, run_id: str) -> Any:
@@ -140,14 +164,17 @@ def publish_run_models(
     ``best_metric``: the metric ``train.best_metric`` resolved to (``auto`` names none), for the tag."""
     models: dict[str, tuple[str, int]] = {}
     final = final_checkpoint(result, config, tracking, run_id)
+    tracked = None
     if final is not None:
-        models[FINAL_MODEL] = _log_checkpoint(final, config, tracking, run_id, FINAL_MODEL, {})
-    best = best_checkpoint(result, config)
+        uri, step, tracked = _log_checkpoint(final, config, tracking, run_id, FINAL_MODEL, {})
+        models[FINAL_MODEL] = (uri, step)
+    best = tracked_best(best_checkpoint(result, config), tracked, config)
     if best is not None:
         checkpoint, score = best
         metric = best_metric or str(config.train.best_metric)
         tags = {"dmltrain.best_metric": metric, "dmltrain.best_score": f"{score:.6g}"}
-        models[BEST_MODEL] = _log_checkpoint(checkpoint, config, tracking, run_id, BEST_MODEL, tags)
+        uri, step, _ = _log_checkpoint(checkpoint, config, tracking, run_id, BEST_MODEL, tags)
+        models[BEST_MODEL] = (uri, step)
     registered = None
     if config.mlflow.register_as and FINAL_MODEL in models:
         name, model_uri = config.mlflow.register_as, models[FINAL_MODEL][0]
