@@ -220,6 +220,37 @@ def test_checkpoint_round_trip_continues_the_run(glyphs_root: Path, tmp_path: Pa
         torch.testing.assert_close(value, final_weights[key], msg=key)
 
 
+def test_a_resume_logs_the_window_an_uninterrupted_run_logs(glyphs_root: Path, tmp_path: Path) -> None:
+    """A failure between a checkpoint (step 2) and the next log line (step 3): the resumed run's line at
+    step 3 averaged step 3 alone, the uninterrupted run's steps 1-3 (the window was not checkpointed)."""
+    overrides = ("train.steps=3", "train.log_every=3", "train.checkpoint_every=2", "train.eval_every=3")
+    losses = []
+    for name, fail in (("whole", False), ("resumed", True)):
+        config, run_id, uri = _setup(
+            tmp_path / name, glyphs_root, *overrides, f"run.storage_path={tmp_path / name}", "run.name=loop"
+        )
+        storage = tmp_path / name / "loop"
+        storage.mkdir(parents=True)
+        loop = WorkerLoop(config, run_id, uri, LocalContext(storage))
+        if fail:
+
+            def fail_at_step_3(loop: WorkerLoop = loop, train_step: Any = loop._train_step) -> object:
+                if loop.step == 2:
+                    raise RuntimeError("the node went away")
+                return train_step()
+
+            loop._train_step = fail_at_step_3  # type: ignore[method-assign]
+            with pytest.raises(RuntimeError, match="went away"):
+                loop.run()
+            restored = LocalContext(storage, restore_from=storage / "checkpoint_000000002")
+            loop = WorkerLoop(config, run_id, uri, restored)
+            assert loop.window.steps == 2  # steps 1-2, not yet logged
+        loop.run()
+        losses.append([(m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, "train/loss")])
+    whole, resumed = losses
+    assert [step for step, _ in whole] == [3] and resumed == whole
+
+
 def test_nan_steps_are_skipped_then_fail_clearly(glyphs_root: Path, tmp_path: Path) -> None:
     config, run_id, uri = _setup(
         tmp_path,

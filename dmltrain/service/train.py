@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -407,6 +407,9 @@ class WorkerLoop:
         self.step = 0
         self.evaluating = False  # set while an evaluation runs (errors name it, not the next step)
         self.times = _PhaseTimes()
+        # steps since the last log line; checkpointed, so a resume's first line averages what an
+        # uninterrupted run's would (it covered only the steps after the checkpoint)
+        self.window = _Window()
         first = config.train.profile_start
         self.profiler = (
             StepProfiler(first, config.train.profile_steps, self.device)
@@ -490,6 +493,7 @@ class WorkerLoop:
         if self.scaler is not None and state.extra.get("grad_scaler"):
             self.scaler.load_state_dict(state.extra["grad_scaler"])
         self.times.load_state_dict(state.extra.get("times"))
+        self.window = _Window(**(state.extra.get("window") or {}))
         try:
             if stream_state is None:
                 raise ValueError(f"the checkpoint has no stream state for rank {self.rank}")
@@ -533,6 +537,7 @@ class WorkerLoop:
                         "best": self.best.state_dict() if self.best else None,
                         "grad_scaler": self.scaler.state_dict() if self.scaler else None,
                         "times": self.times.state_dict(),
+                        "window": asdict(self.window),
                     },
                 ),
             )
@@ -741,7 +746,6 @@ class WorkerLoop:
                 evaluated = self._evaluate()
             self._log(evaluated)
         reset_peak_rss()  # train/peak_rss_mb: the training steps' peak, not the evaluation's
-        window = _Window()
         # Restored from the checkpoint of a run that stopped early (a restart after it, or a relaunch under
         # run.resume=must with the same patience): it stays stopped. Every rank restored the same state.
         stopped = self.best is not None and self.best.should_stop
@@ -761,11 +765,11 @@ class WorkerLoop:
                 self._describe_device()
                 described = True
             if math.isfinite(stats.loss):
-                window.add(stats)
+                self.window.add(stats)
             last = self.step == cfg.steps
             log_now = last or self.step % cfg.log_every == 0
             if log_now:
-                metrics = window.metrics() if window.steps else {}
+                metrics = self.window.metrics() if self.window.steps else {}
                 metrics.update(self._peak_memory())
                 metrics.update(
                     {
@@ -781,7 +785,7 @@ class WorkerLoop:
                 if self.tn_schedule is not None:
                     metrics["train/rll_tn"] = float(self.tn_schedule.loss.tn)
                 self._log(metrics)
-                if self.rank == 0 and window.steps:
+                if self.rank == 0 and self.window.steps:
                     log.info(
                         "step %d/%d loss %.4f %.1f img/s",
                         self.step,
@@ -789,7 +793,7 @@ class WorkerLoop:
                         metrics["train/loss"],
                         metrics["train/images_per_second"],
                     )
-                window = _Window()
+                self.window = _Window()
             evaluate_now = last or self.step % cfg.eval_every == 0
             evaluated: dict[str, float] = {}
             if evaluate_now:
