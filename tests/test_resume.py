@@ -84,6 +84,12 @@ def test_finished_runs_are_left_alone_until_they_are_made_longer() -> None:
     assert done.action == "done" and "already finished at step 300" in done.message
     assert plan_launch(old, _existing(old, status="KILLED", step=250), 2, URI).action == "resume"
     assert plan_launch(_config("train.steps=400"), _existing(old), 2, URI).action == "resume"
+    # An unfinished run relaunched shorter than its checkpoint trained nothing, skipped the last
+    # evaluation, ended FINISHED and published its step-250 model as a 200-step run's.
+    with pytest.raises(
+        ConfigError, match=r"checkpoint at step 250 .*past train.steps=200: .*set train.steps"
+    ):
+        plan_launch(_config("train.steps=200"), _existing(old, status="KILLED", step=250), 2, URI)
 
 
 def test_a_run_that_stopped_early_is_left_alone_unless_its_patience_changes() -> None:

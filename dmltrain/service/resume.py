@@ -210,4 +210,10 @@ def plan_launch(
             f"{name} already finished at step {step} (train.steps={config.train.steps}): nothing to train; "
             f"raise train.steps to train further, or set a new run.name for a new run",
         )
+    if step > config.train.steps:  # it would train nothing, skip the last evaluation, and end FINISHED
+        raise ConfigError(
+            f"run.resume={mode}: {name} has a checkpoint at step {step} ({where}), past train.steps="
+            f"{config.train.steps}: resuming would train nothing and publish the step-{step} model as this "
+            f"run's; set train.steps to {step} or more, or a new run.name to start afresh"
+        )
     return LaunchPlan("resume", changed, f"resuming {name} at step {step} ({where})")
