@@ -343,6 +343,10 @@ def test_inaturalist_smooth_ap_split(tmp_path: Path) -> None:
     assert info.class_names == ["Aves/2761", "Aves/2762", "Plantae/5000", "Insecta/90"]
     assert info.splits["train"].num_categories == 2 and info.splits["test"].num_classes == 1
     assert info.recall_ks == [1, 4, 16, 32]
+    # iNaturalist's own download (train2018.json, no retrieval split): the message says where the split is
+    (tmp_path / "Inat_dataset_splits" / "Inaturalist_test_set1.txt").unlink()
+    with pytest.raises(SourceLayoutError, match=r"retrieval split is Smooth-AP's .*give --split-dir$"):
+        prepare("inaturalist", str(tmp_path), tmp_path / "out2", progress=False)
 
 
 def test_cub_layout(tmp_path: Path) -> None:

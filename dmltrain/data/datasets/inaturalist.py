@@ -13,10 +13,17 @@ from dmltrain.data.metadata import Evaluation
 def scan_inaturalist(source: Path, split_dir: Path | None = None) -> SourceDataset:
     items = []
     for split, name in (("train", "Inaturalist_train_set1.txt"), ("test", "Inaturalist_test_set1.txt")):
-        if split_dir is not None:
-            list_file = find_file(split_dir, [name], "inaturalist")
-        else:
-            list_file = find_file(source, [f"Inat_dataset_splits/{name}", name], "inaturalist")
+        try:
+            if split_dir is not None:
+                list_file = find_file(split_dir, [name], "inaturalist")
+            else:
+                list_file = find_file(source, [f"Inat_dataset_splits/{name}", name], "inaturalist")
+        except SourceLayoutError as error:  # iNaturalist's own download has no retrieval split
+            raise SourceLayoutError(
+                f"{error}: the retrieval split is Smooth-AP's (5,690 train / 2,452 test species), published "
+                "with that paper as Inat_dataset_splits/; iNaturalist's own train2018.json/val2018.json "
+                "divide images, not species. Put the folder under the source or give --split-dir"
+            ) from None
         for number, line in enumerate(list_file.read_text().splitlines(), start=1):
             path = line.strip()
             if not path:
