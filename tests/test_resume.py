@@ -262,3 +262,20 @@ def test_checkpoint_count_on_local_storage(tmp_path: Path) -> None:
     assert count_ray_checkpoints(str(tmp_path), "run") == 2
     assert count_ray_checkpoints(f"file://{tmp_path}", "run") == 2
     assert count_ray_checkpoints("nosuchscheme://bucket/x", "run") is None
+
+
+def test_only_the_checkpoints_to_keep_stay(tmp_path: Path) -> None:
+    """A checkpoint stored while the driver was gone is never registered with Ray, which then never
+    deletes it: the end of a run removes those (steps 10, 12 of a run that keeps 20 and 30)."""
+    from dmltrain.service.checkpoints import checkpoint_dir_name, remove_checkpoints_except
+
+    for step in (10, 12, 20, 30):
+        (tmp_path / "run" / checkpoint_dir_name(step)).mkdir(parents=True)
+        (tmp_path / "run" / checkpoint_dir_name(step) / "state.pt").write_bytes(b"x")
+    (tmp_path / "run" / "checkpoint_manager_snapshot.json").write_text("{}")
+    (tmp_path / "other" / checkpoint_dir_name(10)).mkdir(parents=True)  # another run: untouched
+    assert remove_checkpoints_except(str(tmp_path), "run", {20, 30}) == [10, 12]
+    left = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert left == [checkpoint_dir_name(20), checkpoint_dir_name(30), "checkpoint_manager_snapshot.json"]
+    assert (tmp_path / "other" / checkpoint_dir_name(10)).is_dir()
+    assert remove_checkpoints_except("nosuchscheme://bucket/x", "run", set()) == []

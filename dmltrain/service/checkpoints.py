@@ -94,6 +94,34 @@ def count_ray_checkpoints(storage_path: str, name: str) -> int | None:
     )
 
 
+def remove_checkpoints_except(storage_path: str, name: str, keep: set[int]) -> list[int]:
+    """Delete run ``name``'s checkpoint directories whose step is not in ``keep``; returns the steps
+    removed. Ray deletes only the checkpoints it registered: one stored while the driver was gone (rank 0
+    finished it, Ray never heard) stayed forever, beyond run.keep_checkpoints. Nothing when the storage
+    cannot be listed."""
+    import pyarrow.fs
+
+    from dmltrain.data.urls import is_local, local_path
+
+    try:
+        if is_local(storage_path):
+            filesystem, root = pyarrow.fs.LocalFileSystem(), local_path(storage_path)
+        else:
+            filesystem, root = pyarrow.fs.FileSystem.from_uri(storage_path)
+        found = filesystem.get_file_info(
+            pyarrow.fs.FileSelector(f"{root.rstrip('/')}/{name}", allow_not_found=True)
+        )
+    except Exception:  # no credentials, unknown scheme, network: leave them
+        return []
+    removed = []
+    for info in found:
+        step = checkpoint_dir_step(info.path) if info.type == pyarrow.fs.FileType.Directory else None
+        if step is not None and step not in keep:
+            filesystem.delete_dir(info.path)
+            removed.append(step)
+    return sorted(removed)
+
+
 def checkpoint_stored(uri: str) -> bool:
     """Whether the checkpoint at ``uri`` (`checkpoint_uri`: a local path or an s3://-style URI) holds its
     state file; False also when the storage cannot be asked."""

@@ -509,6 +509,7 @@ def launch(
             config.train.best_metric, [e.name for e in info.evaluations], recall_ks(config, info.recall_ks)
         )
         published = publish_run_models(result, config, tracking_uri, run_id, best_metric)
+        _remove_unregistered_checkpoints(result, config, published)
     set_run_status(tracking_uri, run_id, "FINISHED")
     metrics = {
         metric_name(k): float(v) for k, v in (result.metrics or {}).items() if isinstance(v, int | float)
@@ -518,6 +519,25 @@ def launch(
     return RunOutcome(
         run_id, tracking_uri, existing is not None, checkpoint, metrics, models, published.registered
     )
+
+
+def _remove_unregistered_checkpoints(result: Any, config: ExperimentConfig, published: Any) -> None:
+    """Keep what Ray keeps (its best and latest) and the checkpoints of the published models; remove the
+    rest, which Ray never registered (stored while a driver was gone) and so would never delete."""
+    from dmltrain.service.checkpoints import checkpoint_dir_step, remove_checkpoints_except
+
+    paths = [str(c.path) for c, _ in result.best_checkpoints or []]
+    if result.checkpoint is not None:
+        paths.append(str(result.checkpoint.path))
+    keep = {step for step in map(checkpoint_dir_step, paths) if step is not None}
+    keep |= {step for _uri, step in published.models.values()}
+    if not keep:  # nothing known to keep: nothing is removed on a guess
+        return
+    removed = remove_checkpoints_except(config.run.storage_path, config.run.name, keep)
+    if removed:
+        log.info(
+            "removed checkpoints Ray never registered (stored while a driver was gone): steps %s", removed
+        )
 
 
 def run_and_report(config: ExperimentConfig) -> int:
