@@ -185,5 +185,7 @@ def serve_index(
         signal.signal(signal.SIGTERM, previous)
 
 
-class _StopRequested(Exception):
-    """SIGTERM before the server started: `serve_index` returns, its temporary model copy removed."""
+class _StopRequested(BaseException):
+    """SIGTERM before the server started: `serve_index` returns, its temporary model copy removed. A
+    BaseException, as KeyboardInterrupt is: the loading code's own ``except Exception`` (a weights file
+    it cannot read) turned it into a false "not a readable model file"."""
