@@ -122,7 +122,9 @@ def tracked_best(
     checkpoint), where Ray's list (``ranked``) does not hold it: a checkpoint stored while the driver died
     was never registered with Ray, and `best_checkpoint` then published the best of the rest (step 20 at
     Recall@1 0.02 over step 10 at 0.83). Ray's pick otherwise."""
-    if not tracked or tracked.get("score") is None or int(tracked.get("step", -1)) < 0:
+    if not config.train.best_metric or not tracked or tracked.get("score") is None:
+        return ranked
+    if int(tracked.get("step", -1)) < 0:
         return ranked
     step = int(tracked["step"])
     if ranked is not None and checkpoint_dir_step(str(ranked[0].path)) == step:
