@@ -238,6 +238,15 @@ def test_split_folders_and_values_in_any_case(tmp_path: Path) -> None:
     (tmp_path / "list.csv").write_text("\ufeff" + "\r\n".join(rows) + "\r\n", encoding="utf-8")
     listed = prepare("csv", str(tmp_path / "list.csv"), tmp_path / "out_csv", progress=False)
     assert sorted(listed.splits) == ["test", "train"] and listed.splits["test"].num_samples == 4
+    # ... but a class folder named Train beside other class folders stays a class, as it was
+    for name in ("Bus", "Car", "Train", "Truck"):
+        for j in range(2):
+            write_image(tmp_path / "vehicles" / name / f"{j}.jpg", j)
+    vehicles = prepare("folder", str(tmp_path / "vehicles"), tmp_path / "out_vehicles", progress=False)
+    assert vehicles.class_names == ["Bus", "Car", "Train", "Truck"] and list(vehicles.splits) == ["train"]
+    (tmp_path / "cp1252.csv").write_bytes("path,class\nimg/caf\xe9.jpg,a\n".encode("cp1252"))
+    with pytest.raises(SourceLayoutError, match=r"cp1252.csv is not UTF-8 text .*save it as UTF-8$"):
+        prepare("csv", str(tmp_path / "cp1252.csv"), tmp_path / "out_cp", progress=False)
 
 
 def test_sop_layout(tmp_path: Path) -> None:

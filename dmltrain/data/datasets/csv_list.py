@@ -16,7 +16,13 @@ def scan_csv(
     `test_fraction` of the classes are held out for testing."""
     if not source.is_file():
         raise SourceLayoutError(f"csv: {source} is not a file")
-    root = image_root or source.parent
+    try:
+        return _scan(source, image_root or source.parent, test_fraction, seed)
+    except UnicodeDecodeError as exc:
+        raise SourceLayoutError(f"csv: {source} is not UTF-8 text ({exc}); save it as UTF-8") from None
+
+
+def _scan(source: Path, root: Path, test_fraction: float, seed: int) -> SourceDataset:
     items = []
     with source.open(newline="", encoding="utf-8-sig") as handle:  # a spreadsheet's BOM is not the header
         reader = csv.DictReader(handle)

@@ -25,8 +25,13 @@ def scan_folder(source: Path, test_fraction: float = 0.0, seed: int = 0) -> Sour
     if not source.is_dir():
         raise SourceLayoutError(f"folder: {source} is not a directory")
     subdirs = sorted(p for p in source.iterdir() if p.is_dir())
-    # Any case: Train/ and Test/ read as two classes merged every class of a split into one.
+    # Any case: Train/ and Test/ read as two classes merged every class of a split into one. A folder
+    # named so but not in lower case beside other folders with images is a class (Bus/, Car/, Train/).
     split_dirs = [p for p in subdirs if p.name.lower() in SPLIT_NAMES]
+    if any(p.name not in SPLIT_NAMES for p in split_dirs) and any(
+        p.name.lower() not in SPLIT_NAMES and not _ignored(p) and _has_images(p) for p in subdirs
+    ):
+        split_dirs = [p for p in split_dirs if p.name in SPLIT_NAMES]
     names = [p.name.lower() for p in split_dirs]
     twins = sorted({n for n in names if names.count(n) > 1})
     if twins:
@@ -36,7 +41,7 @@ def scan_folder(source: Path, test_fraction: float = 0.0, seed: int = 0) -> Sour
         )
     # Published layouts keep metadata folders beside the split folders (VGGFace2's bb_landmark/): those
     # hold no images and are skipped with a note; a folder that does hold images makes the layout ambiguous.
-    others = [p for p in subdirs if p.name.lower() not in SPLIT_NAMES and not _ignored(p)]
+    others = [p for p in subdirs if p not in split_dirs and not _ignored(p)]
     notes = []
     with_images = [p for p in others if _has_images(p)] if split_dirs else []
     if with_images:  # which is it? As classes, train/ would be one class holding every training image
