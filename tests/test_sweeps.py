@@ -165,6 +165,9 @@ def test_a_section_replaced_after_one_of_its_keys_is_refused(tmp_path: Path) -> 
         "before it; put temperature inside that section's value, or set the section's keys one by one "
         "(loss.<key>)"
     )
+    both = _spec(overrides={"train.steps": 2, "loss.temperature": 0.05, "loss": {"name": "smoothap"}})
+    with pytest.raises(ConfigError, match=r"^sweep t: overrides.loss replaces the whole section loss"):
+        load_sweep(_write(tmp_path / "o.yaml", both))
     # a key set after its section is replaced applies to the new section
     fine = _spec(
         variants=[{"name": "s", "overrides": {"loss": {"name": "smoothap"}, "loss.temperature": 0.05}}]
@@ -176,12 +179,21 @@ def test_the_sweeps_own_settings_are_not_overridden_silently(tmp_path: Path) -> 
     """run.name and the file's experiment were replaced after the command line's overrides; trials that
     differ in the settings the sweep takes from its first trial were tracked or checked elsewhere."""
     path = _write(tmp_path / "s.yaml", _spec(experiment="from-file"))
-    with pytest.raises(ConfigError, match=r"^sweep t, trial 'base': run.name is the sweep's \('t.base'"):
+    with pytest.raises(
+        ConfigError, match=r"^sweep t, trial 'base': run.name=mine is replaced by the sweep's"
+    ):
         load_sweep(path, ["run.name=mine"])
     with pytest.raises(
-        ConfigError, match=r"mlflow.experiment=mine is overridden by the sweep file's experiment"
+        ConfigError, match=r"mlflow.experiment=mine is replaced by the sweep file's experiment"
     ):
         load_sweep(path, ["mlflow.experiment=mine"])
+    # what the sweep sets anyway, and sections replaced whole (the base's run.name goes with its section)
+    whole = _spec(
+        experiment="from-file", overrides={"train.steps": 2, "run": {"storage_path": str(tmp_path)}}
+    )
+    whole["overrides"]["mlflow"] = {"experiment": "from-file"}
+    trial = load_sweep(_write(tmp_path / "w.yaml", whole), ["mlflow.experiment=from-file"]).trials[0]
+    assert (trial.config.run.name, trial.config.mlflow.experiment) == ("t.base", "from-file")
     assert (
         load_sweep(_write(tmp_path / "e.yaml", _spec()), ["mlflow.experiment=mine"])
         .trials[0]

@@ -38,6 +38,7 @@ from dmltrain.service.config import (
     ExperimentConfig,
     apply_overrides,
     config_from_dict,
+    parse_override,
     read_yaml_mapping,
 )
 
@@ -151,7 +152,13 @@ def expand(spec: SweepSpec) -> list[tuple[str, dict[str, Any]]]:
             point = dict(zip(keys, values, strict=True))
             overrides = {**spec.overrides, **variant_overrides, **point}
             for key, section in _dropped_keys(overrides):
-                where = f"variant {name!r}" if section in variant_overrides else f"grid.{section}"
+                where = (  # the last to set the section is the one that replaced it
+                    f"grid.{section}"
+                    if section in point
+                    else f"variant {name!r}"
+                    if section in variant_overrides
+                    else f"overrides.{section}"
+                )
                 raise ConfigError(
                     f"sweep {spec.name}: {where} replaces the whole section {section}, which drops "
                     f"{key}={overrides[key]!r} set before it; put {key.removeprefix(section + '.')} inside "
@@ -204,7 +211,7 @@ def load_sweep(
     trials = []
     for label, overrides in expand(spec):
         data = trial_config(base_raw, overrides, extra_overrides)
-        _check_sweep_owned(spec, label, base_raw, data)
+        _check_sweep_owned(spec, label, overrides, extra_overrides)
         data.setdefault("run", {})["name"] = run_name(spec.name, label)
         if spec.experiment:
             data.setdefault("mlflow", {})["experiment"] = spec.experiment
@@ -222,25 +229,38 @@ def load_sweep(
     return Sweep(spec, source, base_raw, tuple(trials), tuple(extra_overrides))
 
 
-def _section_value(raw: Mapping[str, Any], section: str, key: str) -> Any:
-    part = raw.get(section)
-    return part.get(key) if isinstance(part, Mapping) else None
+_UNSET = object()
+
+
+def _set_by(pairs: Sequence[tuple[str, Any]], dotted: str) -> Any:
+    """The value the overrides ``pairs`` (in order) leave at ``dotted`` (``section.key``), or ``_UNSET``
+    when none sets it (a whole section without the key unsets it)."""
+    section, key = dotted.split(".", 1)
+    value: Any = _UNSET
+    for path, given in pairs:
+        if path == dotted:
+            value = given
+        elif path == section:
+            value = given.get(key, _UNSET) if isinstance(given, Mapping) else _UNSET
+    return value
 
 
 def _check_sweep_owned(
-    spec: SweepSpec, label: str, base_raw: Mapping[str, Any], data: Mapping[str, Any]
+    spec: SweepSpec, label: str, overrides: Mapping[str, Any], extra: Sequence[str]
 ) -> None:
-    """``run.name`` and (with ``experiment:``) ``mlflow.experiment`` are the sweep's: an override of them
-    was silently replaced."""
-    if _section_value(data, "run", "name") != _section_value(base_raw, "run", "name"):
+    """``run.name`` and (with ``experiment:``) ``mlflow.experiment`` are the sweep's: an override that set
+    them to something else was silently replaced."""
+    pairs = list(overrides.items()) + [(".".join(path), value) for path, value in map(parse_override, extra)]
+    name = _set_by(pairs, "run.name")
+    if name is not _UNSET and name != run_name(spec.name, label):
         raise ConfigError(
-            f"sweep {spec.name}, trial {label!r}: run.name is the sweep's ({run_name(spec.name, label)!r}, "
-            "stable across relaunches); name the sweep with --name instead"
+            f"sweep {spec.name}, trial {label!r}: run.name={name} is replaced by the sweep's "
+            f"({run_name(spec.name, label)!r}, stable across relaunches); name the sweep with --name instead"
         )
-    experiment = _section_value(data, "mlflow", "experiment")
-    if spec.experiment and experiment != _section_value(base_raw, "mlflow", "experiment"):
+    experiment = _set_by(pairs, "mlflow.experiment")
+    if spec.experiment and experiment is not _UNSET and experiment != spec.experiment:
         raise ConfigError(
-            f"sweep {spec.name}, trial {label!r}: mlflow.experiment={experiment} is overridden by the sweep "
+            f"sweep {spec.name}, trial {label!r}: mlflow.experiment={experiment} is replaced by the sweep "
             f"file's experiment: {spec.experiment}; change it there"
         )
 
