@@ -96,6 +96,7 @@ def test_artifacts_of_a_sqlite_store_stay_beside_it_whatever_the_working_directo
         tmp_path / "mlruns" / "x"
     )
     assert artifact_location(db, "x") is None
+    assert artifact_location(db, "x", "s3://bucket/runs?endpoint_override=minio:9000") is None
     assert artifact_location("http://127.0.0.1:5000", "x", "s3://bucket/runs") is None  # the server's root
 
 
