@@ -85,7 +85,7 @@ def recall_at_k_curve(
     ax.set_ylabel("Recall@K")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower right", fontsize="small")
+    ax.legend(loc="best", fontsize="small")  # low recall (step 0, large K) sits in the lower right
     fig.tight_layout()
     if path is not None:
         save_png(fig, path)
@@ -118,7 +118,8 @@ def training_curves(
         y = np.asarray(values, dtype=np.float64)
         if y.shape != x.shape:
             raise ValueError(f"series {name!r} has {y.shape[0] if y.ndim else 0} values for {len(x)} steps")
-        ax.plot(x, y, linewidth=1.2)
+        # markers on short series: one logged point (train.steps <= train.log_every) drew nothing
+        ax.plot(x, y, linewidth=1.2, marker="." if len(x) <= 100 else None)
         finite = y[np.isfinite(y)]
         if name in log_y and finite.size and (finite > 0).all():
             ax.set_yscale("log")
@@ -153,19 +154,27 @@ def comparison_curves(
         raise ValueError("nothing to plot: no curves and no baselines")
     fig = _new_figure(figsize[0], figsize[1], dpi)
     ax = fig.add_subplot(1, 1, 1)
-    for label, (x, y) in curves.items():
+    for i, (label, (x, y)) in enumerate(curves.items()):
         xs, ys = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
         if xs.shape != ys.shape:
             raise ValueError(f"curve {label!r}: {xs.shape[0]} x values for {ys.shape[0]} y values")
-        ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.3, label=label)
-    for i, (label, value) in enumerate((baselines or {}).items()):
-        ax.axhline(value, linestyle="--", linewidth=1.0, color=f"C{(len(curves) + i) % 10}", label=label)
+        # past the 10 colours, another marker and line style: trial 11 was trial 1's twin
+        style = {"marker": "osv^D"[(i // 10) % 5], "linestyle": ("-", "-.", ":")[(i // 10) % 3]}
+        ax.plot(xs, ys, markersize=3, linewidth=1.3, color=f"C{i % 10}", label=label, **style)
+    for i, (label, value) in enumerate((baselines or {}).items()):  # grey, dashed: never a trial's colour
+        dashes = ((5, 3), (1, 2), (3, 2, 1, 2))[i % 3]
+        ax.axhline(value, linewidth=1.0, color=str(0.15 + 0.2 * (i % 3)), dashes=dashes, label=label)
     if log_x:
         ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    entries = len(curves) + len(baselines or {})
+    if entries > 6:  # beside the axes: inside, many or long labels hid half the curves
+        fig.set_size_inches(figsize[0] + 2.6, figsize[1])
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    else:
+        ax.legend(fontsize=7, loc="best")
     if title:
         ax.set_title(title)
     fig.tight_layout()

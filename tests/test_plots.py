@@ -156,3 +156,25 @@ def test_plots_need_neither_pyplot_nor_mlflow():
     banned = "{'mlflow', 'matplotlib.pyplot', 'torch'}"
     code = f"import sys, dmltrain.plots; assert not {banned} & set(sys.modules), sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_curves_stay_readable_with_one_point_or_many_runs():
+    """One logged point (train.steps <= train.log_every) drew an empty panel; an 11th sweep trial took the
+    1st's colour and marker, a baseline could take a trial's, and a legend of many long labels covered
+    half the curves."""
+    from dmltrain.plots import comparison_curves, training_curves
+
+    single = training_curves([10], {"loss": [0.5]})
+    assert single.axes[0].lines[0].get_marker() == "."
+    curves = {f"trial {i} with a long label": ([0, 100], [0.1 + i / 100, 0.2 + i / 100]) for i in range(12)}
+    fig = comparison_curves(curves, xlabel="step", ylabel="R@1", baselines={"raw pixels": 0.2})
+    ax = fig.axes[0]
+    styles = [(line.get_color(), line.get_marker(), line.get_linestyle()) for line in ax.lines]
+    assert len(set(styles)) == len(styles) == 13  # 12 trials and the baseline, no two alike
+    assert styles[0][0] == styles[10][0] and styles[0][1:] != styles[10][1:]
+    legend = ax.get_legend()
+    fig.canvas.draw()
+    assert legend.get_window_extent().x0 > ax.get_window_extent().x1  # beside the axes, not over them
+    few = comparison_curves({"a": ([0, 1], [0.1, 0.2])}, xlabel="step", ylabel="R@1")
+    few.canvas.draw()
+    assert few.axes[0].get_legend().get_window_extent().x0 < few.axes[0].get_window_extent().x1

@@ -255,7 +255,9 @@ def log_summary(tracking_uri: str, parent_run_id: str, results: Sequence[TrialRe
             client.log_figure(parent_run_id, figure, f"plots/{metric}_by_step.png")
         by_images = {}
         for r in trials:
-            batch = r.row()["global_batch_size"] or 0
+            batch = r.row()["global_batch_size"]
+            if not batch:  # unknown: left out, not drawn as a vertical line at x = 0
+                continue
             steps, values = _xy(r.curve(metric))
             by_images[r.label] = ([s * batch for s in steps], values)
         if by_images:
