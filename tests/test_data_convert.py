@@ -244,6 +244,14 @@ def test_split_folders_and_values_in_any_case(tmp_path: Path) -> None:
             write_image(tmp_path / "vehicles" / name / f"{j}.jpg", j)
     vehicles = prepare("folder", str(tmp_path / "vehicles"), tmp_path / "out_vehicles", progress=False)
     assert vehicles.class_names == ["Bus", "Car", "Train", "Truck"] and list(vehicles.splits) == ["train"]
+    # a Kaggle-style Train/ Test/ Validation/ of class folders: refused (Validation is no split name), not
+    # built as three classes each merging its classes
+    for split, name in (("Train", "dog"), ("Train", "cat"), ("Test", "dog"), ("Validation", "cat")):
+        write_image(tmp_path / "kaggle" / split / name / "0.jpg", 0)
+    with pytest.raises(
+        SourceLayoutError, match=r"split folders \(Test/, Train/\) beside folders with images"
+    ):
+        prepare("folder", str(tmp_path / "kaggle"), tmp_path / "out_kaggle", progress=False)
     (tmp_path / "cp1252.csv").write_bytes("path,class\nimg/caf\xe9.jpg,a\n".encode("cp1252"))
     with pytest.raises(SourceLayoutError, match=r"cp1252.csv is not UTF-8 text .*save it as UTF-8$"):
         prepare("csv", str(tmp_path / "cp1252.csv"), tmp_path / "out_cp", progress=False)

@@ -25,13 +25,13 @@ def scan_folder(source: Path, test_fraction: float = 0.0, seed: int = 0) -> Sour
     if not source.is_dir():
         raise SourceLayoutError(f"folder: {source} is not a directory")
     subdirs = sorted(p for p in source.iterdir() if p.is_dir())
-    # Any case: Train/ and Test/ read as two classes merged every class of a split into one. A folder
-    # named so but not in lower case beside other folders with images is a class (Bus/, Car/, Train/).
-    split_dirs = [p for p in subdirs if p.name.lower() in SPLIT_NAMES]
-    if any(p.name not in SPLIT_NAMES for p in split_dirs) and any(
-        p.name.lower() not in SPLIT_NAMES and not _ignored(p) and _has_images(p) for p in subdirs
-    ):
-        split_dirs = [p for p in split_dirs if p.name in SPLIT_NAMES]
+    # Any case: Train/ and Test/ read as two classes merged every class of a split into one. Named so in
+    # another case, a folder is a split when it holds class folders, else a class (Bus/, Car/, Train/).
+    split_dirs = [
+        p
+        for p in subdirs
+        if p.name in SPLIT_NAMES or (p.name.lower() in SPLIT_NAMES and _holds_class_folders(p))
+    ]
     names = [p.name.lower() for p in split_dirs]
     twins = sorted({n for n in names if names.count(n) > 1})
     if twins:
@@ -92,6 +92,10 @@ def scan_folder(source: Path, test_fraction: float = 0.0, seed: int = 0) -> Sour
 def _ignored(directory: Path) -> bool:
     """Hidden and archive folders (`.thumbnails/`, macOS's `__MACOSX/`) are never classes nor splits."""
     return directory.name.startswith(".") or directory.name in NOT_CLASSES
+
+
+def _holds_class_folders(directory: Path) -> bool:
+    return any(p.is_dir() and not _ignored(p) and _has_images(p) for p in directory.iterdir())
 
 
 def _has_images(directory: Path) -> bool:
