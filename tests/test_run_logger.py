@@ -97,6 +97,13 @@ def test_artifacts_of_a_sqlite_store_stay_beside_it_whatever_the_working_directo
     )
     assert artifact_location(db, "x") is None
     assert artifact_location(db, "x", "s3://bucket/runs?endpoint_override=minio:9000") is None
+    assert artifact_location(db, "x", str(tmp_path / "a?b")) == str(tmp_path / "a?b" / "mlruns" / "x")
+    from dmltrain.data.urls import join_url
+
+    assert (
+        join_url("s3://b/runs?endpoint_override=m:9000", "name")
+        == "s3://b/runs/name?endpoint_override=m:9000"
+    )
     assert artifact_location("http://127.0.0.1:5000", "x", "s3://bucket/runs") is None  # the server's root
 
 

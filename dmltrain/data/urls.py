@@ -23,7 +23,8 @@ def join_url(root: str, name: str) -> str:
     """`root/name` for a directory path or a URL (a `pipe:` root is not joinable)."""
     if is_local(root):
         return os.path.join(local_path(root), name)
-    return root.rstrip("/") + "/" + name
+    base, mark, query = root.partition("?")  # s3://b/p?endpoint_override=...: the path before the query
+    return base.rstrip("/") + "/" + name + mark + query
 
 
 def open_url(url: str) -> IO[bytes]:

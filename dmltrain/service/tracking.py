@@ -151,11 +151,13 @@ def artifact_location(tracking_uri: str, experiment: str, storage_path: str | No
     if database is not None:
         return str(database.resolve().parent / "mlruns" / folder)
     scheme = tracking_uri.split(":", 1)[0].split("+", 1)[0].lower()
-    if scheme not in _DATABASE_SCHEMES or not storage_path or "?" in storage_path:
-        return None  # a query (s3://b/p?endpoint_override=...) is pyarrow's, not a place to join onto
+    if scheme not in _DATABASE_SCHEMES or not storage_path:
+        return None
     if urlparse(storage_path).scheme in ("", "file"):
         local = urlparse(storage_path).path if storage_path.startswith("file:") else storage_path
         return str(Path(local).expanduser().resolve() / "mlruns" / folder)
+    if "?" in storage_path:  # s3://b/p?endpoint_override=...: pyarrow's options, not MLflow's
+        return None
     return f"{storage_path.rstrip('/')}/mlruns/{folder}"
 
 
