@@ -222,15 +222,14 @@ def _label_ids(source: SourceDataset) -> tuple[dict[str, int], dict[str, int]]:
     rank = {s: i for i, s in enumerate(source.split_order)}
     first_split: dict[str, int] = {}
     categories: set[str] = set()
-    category_of: dict[str, tuple[str, str]] = {}  # class -> (category, the item that gave it)
+    category_of: dict[str, str] = {}
     for item in source.items:
         if item.split not in rank:
             raise ValueError(f"item {item.path} has split {item.split!r}, not in {source.split_order}")
         first_split[item.class_name] = min(first_split.get(item.class_name, 99), rank[item.split])
         if item.category is not None:
             categories.add(item.category)
-            known = category_of.setdefault(item.class_name, (item.category, item.path))
-            if known[0] != item.category:  # `_one_category_per_class` settled these before
+            if category_of.setdefault(item.class_name, item.category) != item.category:  # settled before
                 raise AssertionError(f"class {item.class_name!r} is in two categories")
     classes = sorted(first_split, key=lambda c: (first_split[c], natural_key(c)))
     ordered_categories = sorted(categories, key=natural_key)

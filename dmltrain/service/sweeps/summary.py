@@ -114,16 +114,15 @@ def collect(tracking_uri: str, parent_run_id: str) -> list[TrialResult]:
         max_results=10_000,
     )
     results = []
-    baselines_seen: set[str] = set()
-    # Newest first, as MLflow returns them; of a baseline run more than once (stores of versions that
-    # started a new run after a stopped one), the finished run stands for it.
-    runs = sorted(runs, key=lambda r: r.info.status != "FINISHED")
+    # Of a baseline run more than once (stores of versions that started a new run after a stopped one),
+    # the finished run stands for it, else the newest (MLflow returns the newest first).
+    chosen: dict[str, str] = {}
+    for run in sorted(runs, key=lambda r: r.info.status != "FINISHED"):
+        chosen.setdefault(run.data.tags.get(BASELINE_TAG, run.info.run_id), run.info.run_id)
     for run in runs:
         tags = run.data.tags
-        if BASELINE_TAG in tags:
-            if tags[BASELINE_TAG] in baselines_seen:
-                continue
-            baselines_seen.add(tags[BASELINE_TAG])
+        if BASELINE_TAG in tags and chosen[tags[BASELINE_TAG]] != run.info.run_id:
+            continue
         wanted = [k for k in run.data.metrics if k.startswith("eval/") or k in (*_CURVES, SEGMENT_METRIC)]
         logged = {key: client.get_metric_history(run.info.run_id, key) for key in wanted}
         history = {
