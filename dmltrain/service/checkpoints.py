@@ -70,9 +70,9 @@ class TrainingState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def count_ray_checkpoints(storage_path: str, name: str) -> int | None:
-    """How many checkpoints Ray Train keeps for run ``name`` under ``storage_path`` (a local path or any
-    URI pyarrow opens, e.g. s3://); None when the storage cannot be listed."""
+def _run_entries(storage_path: str, name: str) -> tuple[Any, list[Any]] | None:
+    """(pyarrow file system, entries of ``storage_path/name``), or None when the storage cannot be listed
+    (no credentials, an unknown scheme, the network)."""
     import pyarrow.fs
 
     from dmltrain.data.urls import is_local, local_path
@@ -82,14 +82,24 @@ def count_ray_checkpoints(storage_path: str, name: str) -> int | None:
             filesystem, root = pyarrow.fs.LocalFileSystem(), local_path(storage_path)
         else:
             filesystem, root = pyarrow.fs.FileSystem.from_uri(storage_path)
-        found = filesystem.get_file_info(
-            pyarrow.fs.FileSelector(f"{root.rstrip('/')}/{name}", allow_not_found=True)
-        )
-    except Exception:  # no credentials, unknown scheme, network: the caller falls back to MLflow's record
+        selector = pyarrow.fs.FileSelector(f"{root.rstrip('/')}/{name}", allow_not_found=True)
+        return filesystem, filesystem.get_file_info(selector)
+    except Exception:
+        return None
+
+
+def count_ray_checkpoints(storage_path: str, name: str) -> int | None:
+    """How many checkpoints Ray Train keeps for run ``name`` under ``storage_path`` (a local path or any
+    URI pyarrow opens, e.g. s3://); None when the storage cannot be listed (the caller then falls back to
+    MLflow's record)."""
+    import pyarrow.fs
+
+    listed = _run_entries(storage_path, name)
+    if listed is None:
         return None
     return sum(
         1
-        for info in found
+        for info in listed[1]
         if info.type == pyarrow.fs.FileType.Directory and info.base_name.startswith("checkpoint_")
     )
 
@@ -101,18 +111,10 @@ def remove_checkpoints_except(storage_path: str, name: str, keep: set[int]) -> l
     cannot be listed."""
     import pyarrow.fs
 
-    from dmltrain.data.urls import is_local, local_path
-
-    try:
-        if is_local(storage_path):
-            filesystem, root = pyarrow.fs.LocalFileSystem(), local_path(storage_path)
-        else:
-            filesystem, root = pyarrow.fs.FileSystem.from_uri(storage_path)
-        found = filesystem.get_file_info(
-            pyarrow.fs.FileSelector(f"{root.rstrip('/')}/{name}", allow_not_found=True)
-        )
-    except Exception:  # no credentials, unknown scheme, network: leave them
+    listed = _run_entries(storage_path, name)
+    if listed is None:
         return []
+    filesystem, found = listed
     removed = []
     for info in found:
         step = checkpoint_dir_step(info.path) if info.type == pyarrow.fs.FileType.Directory else None
@@ -121,7 +123,7 @@ def remove_checkpoints_except(storage_path: str, name: str, keep: set[int]) -> l
         try:  # a store that allows no deletes: the run still finished, its models are logged
             filesystem.delete_dir(info.path)
         except Exception as exc:
-            log.warning("could not remove checkpoint %s (%s): left in storage", info.path, exc)
+            log.warning("could not remove checkpoint %s (%s): left in storage, maybe in part", info.path, exc)
             continue
         removed.append(step)
     return sorted(removed)
