@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -179,7 +179,7 @@ def global_batch_step(
     """
     net = _unwrapped(model)
     compiled = compiled_forwards(net)
-    snapshot = _StepSnapshot.take(net) if compiled else None
+    snapshot = _StepSnapshot.take(net, compiled) if compiled else None
     run = partial(
         _global_batch_step_once,
         model,
@@ -208,7 +208,7 @@ def global_batch_step(
         if not _any_rank(fell_back, result):
             break
         snapshot.restore()
-        snapshot = _StepSnapshot.take(net)
+        snapshot = _StepSnapshot.take(net, compiled)
         result = run()
     return result
 
@@ -235,19 +235,16 @@ class _StepSnapshot:
     states: list[str]  # of the network's compiled forwards, in `compiled_forwards` order
 
     @classmethod
-    def take(cls, net: nn.Module) -> _StepSnapshot:
+    def take(cls, net: nn.Module, compiled: list[Any]) -> _StepSnapshot:
         grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in net.parameters()]
-        norms = [m for m in net.modules() if isinstance(m, _NormBase)]
-        buffers = [(b, b.detach().clone()) for m in norms for b in _norm_buffers(m)]
-        return cls(rng_state(), grads, buffers, [f.state for f in compiled_forwards(net)])
+        buffers = _saved_buffers(m for m in net.modules() if isinstance(m, _NormBase))
+        return cls(rng_state(), grads, buffers, [f.state for f in compiled])
 
     def restore(self) -> None:
         restore_rng_state(self.rng)
-        with torch.no_grad():
-            for p, grad in self.grads:
-                p.grad = grad
-            for buffer, saved in self.buffers:
-                buffer.copy_(saved)
+        for p, grad in self.grads:
+            p.grad = grad
+        _put_back(self.buffers)
 
 
 def _global_batch_step_once(
@@ -655,14 +652,11 @@ def _running_stats_updated_once(net: nn.Module, sync: bool) -> Iterator[None]:
     ranks drift apart, so under DDP rank 0's restored buffers are broadcast again (DDP's own rule).
     """
     norms = _training_norms(net)
-    saved = [[b.detach().clone() for b in _norm_buffers(m)] for m in norms]
+    saved = _saved_buffers(norms)
     try:
         yield
     finally:
-        with torch.no_grad():
-            for m, bufs in zip(norms, saved, strict=True):
-                for b, s in zip(_norm_buffers(m), bufs, strict=True):
-                    b.copy_(s)
+        _put_back(saved)
     if norms and sync:
         broadcast_buffers_(net)
 
@@ -678,6 +672,17 @@ def _training_norms(net: nn.Module) -> list[_NormBase]:
 
 def _norm_buffers(m: _NormBase) -> list[Tensor]:
     return [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+
+
+def _saved_buffers(norms: Iterable[_NormBase]) -> list[tuple[Tensor, Tensor]]:
+    """Each running-statistics buffer of ``norms`` with a copy of its value, for `_put_back`."""
+    return [(b, b.detach().clone()) for m in norms for b in _norm_buffers(m)]
+
+
+def _put_back(saved: list[tuple[Tensor, Tensor]]) -> None:
+    with torch.no_grad():
+        for buffer, value in saved:
+            buffer.copy_(value)
 
 
 def _batch_statistics_only(net: nn.Module) -> bool:
