@@ -70,18 +70,24 @@ class TrainingState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _filesystem(uri: str) -> tuple[Any, str]:
+    """(pyarrow file system, path in it) of a local path or any URI pyarrow opens (s3://...)."""
+    import pyarrow.fs
+
+    from dmltrain.data.urls import is_local, local_path
+
+    if is_local(uri):
+        return pyarrow.fs.LocalFileSystem(), local_path(uri)
+    return pyarrow.fs.FileSystem.from_uri(uri)
+
+
 def _run_entries(storage_path: str, name: str) -> tuple[Any, list[Any]] | None:
     """(pyarrow file system, entries of ``storage_path/name``), or None when the storage cannot be listed
     (no credentials, an unknown scheme, the network)."""
     import pyarrow.fs
 
-    from dmltrain.data.urls import is_local, local_path
-
     try:
-        if is_local(storage_path):
-            filesystem, root = pyarrow.fs.LocalFileSystem(), local_path(storage_path)
-        else:
-            filesystem, root = pyarrow.fs.FileSystem.from_uri(storage_path)
+        filesystem, root = _filesystem(storage_path)
         selector = pyarrow.fs.FileSelector(f"{root.rstrip('/')}/{name}", allow_not_found=True)
         return filesystem, filesystem.get_file_info(selector)
     except Exception:
@@ -134,12 +140,8 @@ def checkpoint_stored(uri: str) -> bool:
     state file; False also when the storage cannot be asked."""
     import pyarrow.fs
 
-    from dmltrain.data.urls import is_local, local_path
-
     try:
-        if is_local(uri):
-            return (Path(local_path(uri)) / STATE_FILE).is_file()
-        filesystem, path = pyarrow.fs.FileSystem.from_uri(uri)
+        filesystem, path = _filesystem(uri)
         return filesystem.get_file_info(f"{path.rstrip('/')}/{STATE_FILE}").type == pyarrow.fs.FileType.File
     except Exception:  # no credentials, unknown scheme, network
         return False
