@@ -19,12 +19,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 import yaml
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
 
+from dmltrain.data.urls import is_local, local_path
 from dmltrain.service.mlflow_scope import no_artifact_bars
 
 if TYPE_CHECKING:
@@ -153,9 +153,8 @@ def artifact_location(tracking_uri: str, experiment: str, storage_path: str | No
     scheme = tracking_uri.split(":", 1)[0].split("+", 1)[0].lower()
     if scheme not in _DATABASE_SCHEMES or not storage_path:
         return None
-    if urlparse(storage_path).scheme in ("", "file"):
-        local = urlparse(storage_path).path if storage_path.startswith("file:") else storage_path
-        return str(Path(local).expanduser().resolve() / "mlruns" / folder)
+    if is_local(storage_path):
+        return str(Path(local_path(storage_path)).expanduser().resolve() / "mlruns" / folder)
     if "?" in storage_path:  # s3://b/p?endpoint_override=...: pyarrow's options, not MLflow's
         return None
     return f"{storage_path.rstrip('/')}/mlruns/{folder}"
