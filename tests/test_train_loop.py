@@ -400,6 +400,12 @@ def test_out_of_gpu_memory_names_the_setting_that_bounds_it() -> None:
     )
     evaluation = device_memory_error(exc, config, evaluating=True)
     assert str(evaluation).endswith("is free: lower eval.batch_size (now 512)")
+    setup = device_memory_error(exc, config, evaluating=False, setting_up=True)
+    assert str(setup) == (
+        "CUDA out of memory. Tried to allocate 12.25 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+        "3.06 GiB is free (setting up model.backbone=resnet50 before the first step): another process may "
+        "hold this GPU (nvidia-smi), or the model does not fit it"
+    )
     fatal = as_fatal(step, 3, "step 7", explained=True)
     assert str(fatal).startswith("rank 3 step 7: DeviceMemoryError: CUDA out of memory.") and fatal.explained
 

@@ -91,11 +91,16 @@ _MODEL_RANDOMNESS = 0x6D6F64  # "mod": keeps these seeds apart from the loader's
 
 
 def device_memory_error(
-    exc: torch.cuda.OutOfMemoryError, config: ExperimentConfig, evaluating: bool
+    exc: torch.cuda.OutOfMemoryError, config: ExperimentConfig, evaluating: bool, *, setting_up: bool = False
 ) -> DeviceMemoryError:
     """torch's account of the failed allocation (its first sentences: what was asked, what the GPU has and
     holds) and the setting that bounds that memory."""
     account = ". ".join(str(exc).strip().splitlines()[0].split(". ")[:3]).rstrip(".")
+    if setting_up:  # the weights, their optimizer state or the loader's device buffers: no step ran yet
+        return DeviceMemoryError(
+            f"{account} (setting up model.backbone={config.model.backbone} before the first step): another "
+            "process may hold this GPU (nvidia-smi), or the model does not fit it"
+        )
     chunk = min(config.train.chunk_size, config.local_batch_size)
     if isinstance(exc, DecodeMemoryError):
         return DeviceMemoryError(
@@ -941,6 +946,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         # all first) keeps its traceback.
         explained = isinstance(exc, SharedMemoryError)
         raise as_fatal(exc, ray_ctx.rank, "setup", explained=explained) from exc
+    except torch.cuda.OutOfMemoryError as exc:  # the same weights fail the same way after a restart
+        error = device_memory_error(exc, config, evaluating=False, setting_up=True)
+        raise as_fatal(error, ray_ctx.rank, "setup", explained=True) from exc
     try:
         loop.run()
     except (*FATAL_IN_LOOP, NonFiniteLossError) as exc:
