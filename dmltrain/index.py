@@ -34,6 +34,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -400,21 +401,28 @@ class StoredIndex:
 def save_index(
     directory: str | os.PathLike[str], index: EmbeddingIndex, ids: IdMap, meta: Mapping[str, Any]
 ) -> Path:
-    """Write ``index.faiss`` (CPU form), ``ids.npz`` and ``index.json`` (spec, sizes, ``meta``)."""
+    """Write ``index.faiss`` (CPU form), ``ids.npz`` and ``index.json`` (spec, sizes, ``meta``).
+
+    Each file is renamed into place on its own, ``index.json`` last; it records a build id (also stored in
+    ``ids.npz``) and the size of ``index.faiss``, so that `load_index` refuses files of two builds (a
+    reader that started while this ran) instead of answering with another build's ids."""
     faiss = _faiss()
     if len(ids) != index.ntotal:
         raise ValueError(f"the id map has {len(ids)} rows but the index holds {index.ntotal}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    build = uuid.uuid4().hex
 
     def write_ids(path: str) -> None:
         with open(path, "wb") as handle:  # a handle: given a name, np.savez would append ".npz"
-            np.savez(handle, shard=ids.shard, key=ids.key, label=ids.label)
+            np.savez(handle, shard=ids.shard, key=ids.key, label=ids.label, build=np.array(build))
 
     _replace_file(out / INDEX_FILE, lambda path: faiss.write_index(index.index, path))
     _replace_file(out / IDS_FILE, write_ids)
     record = {
         "format_version": FORMAT_VERSION,
+        "build": build,
+        "index_bytes": (out / INDEX_FILE).stat().st_size,
         "spec": asdict(index.spec),
         "description": index.spec.describe(),
         "ntotal": index.ntotal,
@@ -484,16 +492,30 @@ def load_index(directory: str | os.PathLike[str]) -> StoredIndex:
             "two different builds?): rebuild the index with `dmltrain index`"
         )
     _reapply_search_params(raw, spec)
-    ids = _load_ids(root / IDS_FILE)
+    ids, build = _load_ids(root / IDS_FILE)
     if len(ids) != raw.ntotal:
         raise ValueError(f"{root}: {IDS_FILE} has {len(ids)} rows but {INDEX_FILE} holds {raw.ntotal}")
+    _check_one_build(root, meta, build)
     return StoredIndex(EmbeddingIndex(raw, spec, int(meta["dim"])), ids, meta)
 
 
-def _load_ids(path: Path) -> IdMap:
+def _check_one_build(root: Path, meta: Mapping[str, Any], ids_build: str | None) -> None:
+    """Files of two builds pass every shape check when the rebuild kept the images (a rerun, a new model
+    of the same size), and would answer with one build's vectors and another's ids or model digest.
+    Indexes written before builds were recorded have neither mark and are taken as they are."""
+    again = "files of two builds (an index rebuilt while it was read?): load it again, or rebuild it"
+    if "build" in meta and ids_build != meta["build"]:
+        raise ValueError(f"{root}: {IDS_FILE} and {META_FILE} are {again}")
+    size = meta.get("index_bytes")
+    if size is not None and (root / INDEX_FILE).stat().st_size != size:
+        raise ValueError(f"{root}: {INDEX_FILE} and {META_FILE} are {again}")
+
+
+def _load_ids(path: Path) -> tuple[IdMap, str | None]:
     """The id map, its columns memory-mapped from ``ids.npz`` like the index itself: server processes then
     share one copy (the keys alone are 64 MB per million rows as numpy strings). np.savez stores members
-    uncompressed, so each ``.npy`` member lies whole in the archive; anything else is read normally."""
+    uncompressed, so each ``.npy`` member lies whole in the archive; anything else is read normally.
+    Also the build id `save_index` stored beside the columns (None in an older map)."""
     columns = {}
     with open(path, "rb") as handle:
         if handle.read(4) != b"PK\x03\x04":  # numpy would call anything else "pickled data"
@@ -513,7 +535,11 @@ def _load_ids(path: Path) -> IdMap:
                 columns = {name: data[name] for name in ("shard", "key", "label")}
             except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:  # a damaged member
                 raise ValueError(f"{path}: not a readable id map ({type(exc).__name__}: {exc})") from None
-    return IdMap(columns["shard"], columns["key"], columns["label"])
+        try:
+            build = str(data["build"]) if "build" in data.files else None
+        except (ValueError, OSError, zipfile.BadZipFile, EOFError):
+            build = "unreadable"  # differs from any recorded build: named as files of two builds
+    return IdMap(columns["shard"], columns["key"], columns["label"]), build
 
 
 def _mapped_member(path: Path, member: str) -> np.ndarray:

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -503,6 +504,26 @@ def test_index_spec_choice_and_round_trip(tmp_path: Path) -> None:
         (ivfpq / "ids.npz").write_bytes(ids_bytes)
         (ivfpq / "index.json").write_text(meta_text)
     assert len(load_index(ivfpq).ids) == 5000
+    # A rebuild over the same images (another model of the same width) renames its files in one by one: a
+    # reader in between paired one build's vectors with the other's ids and model digest, silently.
+    flat, again = tmp_path / "flat", tmp_path / "flat_again"
+    save_index(again, build_index(x[::-1].copy(), "flat"), IdMap(np.zeros(len(x)), ["r"] * len(x), y), {})
+    for name in ("ids.npz", "index.json"):
+        mixed = tmp_path / f"mixed_{name}"
+        shutil.copytree(flat, mixed)
+        shutil.copy(again / name, mixed / name)
+        with pytest.raises(ValueError, match=r"ids.npz and index.json are files of two builds"):
+            load_index(mixed)
+    meta = json.loads((again / "index.json").read_text())
+    (again / "index.json").write_text(json.dumps({**meta, "index_bytes": meta["index_bytes"] + 8}))
+    with pytest.raises(ValueError, match=r"index.faiss and index.json are files of two builds"):
+        load_index(again)
+    # an index written before builds were recorded loads as it did
+    del meta["build"], meta["index_bytes"]
+    (again / "index.json").write_text(json.dumps(meta))
+    with np.load(again / "ids.npz") as data:
+        np.savez(again / "ids.npz", **{k: data[k] for k in ("shard", "key", "label")})
+    assert load_index(again).ids.row(0)["key"] == "r"
     (tmp_path / "flat" / "ids.npz").unlink()
     with pytest.raises(FileNotFoundError, match="ids.npz is missing"):
         load_index(tmp_path / "flat")
