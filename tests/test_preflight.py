@@ -217,6 +217,36 @@ def test_unset_recall_cut_offs_are_the_data_sets(glyphs_root: Path) -> None:
     assert "train.best_metric='eval/test/recall@10'" in refused
 
 
+def test_best_metric_map_needs_the_exact_evaluation(glyphs_root: Path) -> None:
+    """A faiss-scored evaluation reports no full-ranking map: ranking checkpoints by it passed the checks
+    and stopped the run at its first evaluation (BestMetricError)."""
+    base = _config(f"data.root={glyphs_root}", "train.best_metric=eval/test/map")
+    info = load_data(base)
+    check_data(base, info)  # exact: map is reported
+    check_data(
+        _config(f"data.root={glyphs_root}", "train.best_metric=eval/test/map@r", "eval.index=hnsw"), info
+    )
+    faiss = _one_line_error(
+        check_data,
+        _config(f"data.root={glyphs_root}", "train.best_metric=eval/test/map", "eval.index=hnsw"),
+        info,
+    )
+    assert faiss == (
+        "train.best_metric=eval/test/map: evaluation 'test' is scored by a faiss index (eval.index=hnsw), "
+        "which reports recall@K, map@r and r_precision, not map"
+    )
+    large = _config(
+        f"data.root={glyphs_root}",
+        "train.best_metric=eval/test/map",
+        "eval.index=auto",
+        "eval.exact_max_gallery=10",
+    )
+    size = info.split("test").num_samples
+    assert f"(its gallery of {size:,} images is past eval.exact_max_gallery=10)" in _one_line_error(
+        check_data, large, info
+    )
+
+
 @pytest.mark.parametrize(
     ("config", "overrides", "expected"),
     [

@@ -41,6 +41,7 @@ from dmltrain.models import MissingExtraError
 from dmltrain.service.best import resolve_best_metric
 from dmltrain.service.builders import check_network, resolve_preprocessing
 from dmltrain.service.config import ConfigError, ExperimentConfig, recall_ks
+from dmltrain.service.distributed_eval import index_kind
 from dmltrain.service.tracking import sqlite_store_path
 
 log = logging.getLogger("dmltrain.service.preflight")
@@ -114,9 +115,10 @@ def check_data(config: ExperimentConfig, info: DatasetInfo) -> TrainPlan:
         )
     try:
         names = [e.name for e in info.evaluations]
-        resolve_best_metric(config.train.best_metric, names, recall_ks(config, info.recall_ks))
+        best = resolve_best_metric(config.train.best_metric, names, recall_ks(config, info.recall_ks))
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    _check_best_metric_is_reported(config, info, best)
     try:
         # Identical on every rank (workers build the same plan), so once here stands for all of them. A
         # batch the data cannot fill is one line that already names the keys, the numbers and the data.
@@ -350,6 +352,28 @@ def directory_problem(path: Path) -> str | None:
         where = "" if existing == path else f" (in {existing}, where it would be created)"
         return f"cannot write there{where}: {error.strerror or error}"
     return None
+
+
+def _check_best_metric_is_reported(config: ExperimentConfig, info: DatasetInfo, best: str | None) -> None:
+    """Full-ranking mAP comes from the exact evaluation only: one scored by a faiss index (eval.index, or
+    a gallery past eval.exact_max_gallery) reports recall@K, map@r and r_precision, and a run ranking by
+    map stopped at its first evaluation."""
+    for evaluation in info.evaluations:
+        if best != f"eval/{evaluation.name}/map":
+            continue
+        gallery = info.split(evaluation.gallery or evaluation.query).num_samples
+        kind = index_kind(config, gallery)
+        if kind != "exact":
+            why = (
+                f"eval.index={kind}"
+                if config.eval.index != "auto"
+                else f"its gallery of {gallery:,} images is past eval.exact_max_gallery="
+                f"{config.eval.exact_max_gallery:,}"
+            )
+            raise ConfigError(
+                f"train.best_metric={best}: evaluation {evaluation.name!r} is scored by a faiss index "
+                f"({why}), which reports recall@K, map@r and r_precision, not map"
+            )
 
 
 def _one_line(error: BaseException) -> str:
