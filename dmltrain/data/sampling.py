@@ -11,8 +11,8 @@ loader's main process joins the parts of a step (`plan.py` says how a batch is s
 - `triplet`: Deep Ranking online sampling with per-category reservoirs (keys u^(1/r)).
 
 Buffers hold encoded bytes, so memory is bounded by the pool (`pool_images`, or the classes one part
-needs when that is more) x the encoded image size. A batcher's `state_dict` names buffered samples by
-(shard, member), small enough to travel with every part.
+needs when that is more; `pk`/`random` hold at most about twice that) x the encoded image size. A
+batcher's `state_dict` names buffered samples by (shard, member), small enough to travel with every part.
 """
 
 from __future__ import annotations
@@ -157,7 +157,9 @@ class PoolBatcher(Batcher):
     """`pk` (pieces of at most K) and `random` (whole classes): a part of distinct classes from a pool.
 
     The pool is filled to `pool_images`, and further (at most one more pass over this worker's shards)
-    until it holds twice the classes a part needs, so a part that its shards can fill always finds them.
+    until it holds twice the classes a part needs, so a part that its shards can fill always finds them;
+    past twice its size it takes only classes it lacks. A `pk` class group is shuffled before it is cut
+    into pieces, so a class meets its other images in new pieces on every pass.
     """
 
     def __init__(
@@ -181,9 +183,23 @@ class PoolBatcher(Batcher):
         self.pass_images = max(1, held_images)
         mean_piece = min(self.k or math.inf, held_images / max(1, held_classes))
         self.want_classes = min(held_classes, 2 * math.ceil(part / max(2.0, mean_piece)))
+        # Past this the pool takes only classes it lacks (see _ingest): twice what the pool or the classes
+        # it wants hold, so that balanced data never reaches it.
+        self.most_images = 2 * max(self.pool_images, math.ceil(self.want_classes * max(2.0, mean_piece)))
 
-    def _ingest(self, group: Group) -> int:
-        for piece in split_group(group.samples, self.k, self.counters, self.rng):
+    def _ingest(self, group: Group, *, short: bool = False) -> int:
+        samples = group.samples
+        if self.size >= self.most_images and group.cls in self.pool_classes and not short:
+            # Read past a full pool for the classes it lacks, more pieces of a class it has piled up (a part
+            # takes one piece per class) without bound on data where one class is common (a class of 3,000
+            # among 20 of 4: 290,000 images held at step 2,000). They come round again next pass.
+            self.counters["pool_overflow_images"] += len(samples)
+            return len(samples)
+        if self.k is not None and len(samples) > self.k:
+            # A shard stores a group in one order: cut as stored, a class gave the same K-pieces on every
+            # pass (a 5-image class always 3 + 2; most positive pairs of a large class never met).
+            samples = [samples[i] for i in self.rng.permutation(len(samples))]
+        for piece in split_group(samples, self.k, self.counters, self.rng):
             self.pool.append(piece)
             self.size += len(piece)
             self.pool_classes[piece[0].cls] += 1
@@ -206,16 +222,30 @@ class PoolBatcher(Batcher):
             chosen = self._select()
             if chosen is not None:
                 return chosen
-            read = 0  # the classes the part lacks may be further on: read one more pass, then give up
+            read = 0  # what the part lacks may be further on: read one more pass, then give up
             while read < self.pass_images:
-                read += self._ingest(self.stream.next_group())
+                read += self._ingest(self.stream.next_group(), short=True)
         raise SamplingError(self._shortage())
 
     def _select(self) -> list[Sample] | None:
         """One piece per class, in a random order over the pool's pieces (so a class is drawn as often as
-        it has pieces: a pass over the data per epoch); None, with the pool untouched, when short."""
+        it has pieces: a pass over the data per epoch); None, with the pool untouched, when short.
+
+        A part the first pieces cannot fill is tried again with each class's largest piece: the batch plan
+        counts those (a class of K+1 cut into K-1 + 2 gives K-1), so a part it accepts is not refused
+        because the smaller pieces came first."""
         order = self.rng.permutation(len(self.pool))
-        items = _first_piece_per_class(self.pool, order)  # lazy: a full part rarely scans the whole pool
+        for pieces in (_first_piece_per_class, _largest_piece_per_class):
+            picked = self._pick(pieces, order)
+            if picked is not None:
+                return self._take(*picked)
+        return None
+
+    def _pick(
+        self, pieces: Callable[[list[list[Sample]], np.ndarray], Iterator[Item]], order: np.ndarray
+    ) -> tuple[Fill, tuple[int, int] | None] | None:
+        """The pieces (and the one cut to fit) that fill the part, offered by ``pieces`` in ``order``."""
+        items = pieces(self.pool, order)  # lazy: a full part rarely scans the whole pool
         fill = Fill(self.batch_size)
         cut: tuple[int, int] | None = None  # (pool index, images taken) of a piece cut to fit
         if self.k is not None:  # pk: the piece that overflows is cut (pieces are cuts of a class anyway)
@@ -232,15 +262,19 @@ class PoolBatcher(Batcher):
         else:
             take_greedy(items, fill, fill.need)
         if fill.need:  # short: every class of the pool is a candidate for an exchange or a cut
-            items = _first_piece_per_class(self.pool, order)
+            items = pieces(self.pool, order)
         if fill.need and not repair(fill, items) and fill.need >= 2:
-            items = _first_piece_per_class(self.pool, order)
+            items = pieces(self.pool, order)
             big = next((it for it in items if it[1] not in fill.used and it[2] > fill.need), None)
             if big is not None:  # whole classes cannot add up: cut one, counted
                 cut, fill.need = (big[0], fill.need), 0
                 self.counters["cut_classes"] += 1
         if fill.need:
             return None
+        return fill, cut
+
+    def _take(self, fill: Fill, cut: tuple[int, int] | None) -> list[Sample]:
+        """Remove the chosen pieces (and the cut piece's taken images) from the pool; their images."""
         removed = {i for i, _, _ in fill.taken}
         chosen = [s for i, _, _ in fill.taken for s in self.pool[i]]
         if cut is not None:
@@ -273,6 +307,11 @@ class PoolBatcher(Batcher):
                 head
                 + "The data cannot fill this part and the batch plan should have refused it: please report"
             )
+        if len(self.pool_classes) >= self.held_classes:  # a larger pool holds no other class
+            return head + (
+                "The pool holds every one of them, but the pieces left this pass do not add up to the part: "
+                "lower train.global_batch_size or sampler.samples_per_class"
+            )
         return (
             head + f"Raise sampler.pool_images (now {self.pool_images}) so that more classes are held at once"
         )
@@ -288,6 +327,18 @@ class PoolBatcher(Batcher):
         self.pool = [[next(flat) for _ in range(n)] for n in state["part_sizes"]]
         self.size = sum(state["part_sizes"])
         self.pool_classes = Counter(p[0].cls for p in self.pool)
+
+
+def _largest_piece_per_class(pool: list[list[Sample]], order: np.ndarray) -> Iterator[Item]:
+    """(pool index, class, images) of each class's largest piece (the first in `order` among equals), in
+    the order of the classes' first pieces."""
+    best: dict[int, tuple[int, int]] = {}
+    for i in order:
+        cls, size = pool[i][0].cls, len(pool[i])
+        if cls not in best or size > best[cls][1]:
+            best[cls] = (int(i), size)
+    for cls, (i, size) in best.items():
+        yield i, cls, size
 
 
 def _first_piece_per_class(pool: list[list[Sample]], order: np.ndarray) -> Iterator[Item]:
