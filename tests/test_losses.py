@@ -742,6 +742,13 @@ def test_bad_input_raises_clear_errors(loss_fn):
     inf[2, 0] = float("inf")
     with pytest.raises(ValueError, match="ref_embeddings contain NaN or Inf"):
         loss_fn(x, y, ref_embeddings=inf, ref_labels=y)
+    # finite, but their similarities overflow float32 (FastAP's histogram then indexed out of range)
+    huge = x.clone()
+    huge[3] *= 1e20
+    with pytest.raises(
+        ValueError, match=r"embeddings have squared norms past torch.float32's range in 1 row"
+    ):
+        loss_fn(huge, y)
     with pytest.raises(ValueError, match="ref_embeddings have dimension 3"):
         loss_fn(x, y, ref_embeddings=x[:, :3], ref_labels=y)
     with pytest.raises(ValueError, match="without ref_labels"):
@@ -754,6 +761,33 @@ def test_bad_input_raises_clear_errors(loss_fn):
         loss_fn(x, y, ref_embeddings=x, ref_labels=y, query_index=torch.arange(n).flip(0))
     with pytest.raises(ValueError, match="reduction must be one of"):
         loss_fn(x, y, reduction="avg")
+
+
+def test_a_call_under_no_grad_keeps_no_jacobian_for_inputs_that_need_grad():
+    """Under torch.no_grad() the row-wise function still saw inputs requiring grad and filled a B x N
+    Jacobian nobody could use (at large B, memory a differentiable call would have streamed)."""
+    loss = FastAPLoss(saved_budget_mb=1e-9)  # any differentiable call would stream: this one must not
+    kernel = loss._kernel
+    jacobians: list[bool] = []
+
+    def spy() -> object:
+        inner = kernel()
+
+        class Spy:
+            metric, needs_positive_sets = inner.metric, inner.needs_positive_sets
+
+            def __call__(self, block):
+                jacobians.append(block.jacobian is not None)
+                return inner(block)
+
+        return Spy()
+
+    loss._kernel = spy  # type: ignore[method-assign]
+    x, y = unequal_batch(seed=18, dtype=torch.float32)
+    with torch.no_grad():
+        value = loss(x.clone().requires_grad_(), y)
+    assert jacobians and not any(jacobians)
+    assert value.item() == pytest.approx(FastAPLoss()(x, y).item(), rel=1e-6)
 
 
 def test_bad_hyper_parameters_are_rejected():

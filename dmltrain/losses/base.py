@@ -7,6 +7,7 @@ so that the losses of row-split queries summed over ranks equal the single-proce
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
@@ -141,6 +142,8 @@ class RankingLoss(nn.Module, ABC):
         if differentiable and queries.shape[0] * refs.shape[0] * queries.element_size() > saved:
             kernel = self._stream_kernel()
             return streamed_terms(queries, refs, q_labels, r_labels, self_col, kernel, block)
+        if not differentiable:  # the row-wise function would keep a B x N Jacobian for inputs needing grad
+            queries, refs = queries.detach(), queries.detach() if refs is queries else refs.detach()
         return rowwise_terms(queries, refs, q_labels, r_labels, self_col, self._kernel(), block)
 
 
@@ -161,6 +164,17 @@ def _check_embeddings(name: str, x: Tensor) -> None:
         raise ValueError(
             f"{name} contain NaN or Inf in {rows.numel()} row(s) (first: {rows[:5].tolist()}); "
             "refusing to compute a loss from non-finite embeddings"
+        )
+    # Finite rows whose squared norms overflow the compute type give inf/NaN similarities (and FastAP's
+    # histogram an index out of range): a quarter of the range leaves room for |q|^2 + |r|^2 - 2 q.r.
+    dtype = _compute_dtype(x.dtype)
+    norms = torch.linalg.vector_norm(x.detach(), dim=1, dtype=dtype)  # no (B, D) copy in the compute type
+    huge = ~(norms <= math.sqrt(torch.finfo(dtype).max / 4))
+    if bool(huge.any().item()):
+        rows = torch.nonzero(huge).squeeze(1)
+        raise ValueError(
+            f"{name} have squared norms past {dtype}'s range in {rows.numel()} row(s) (first: "
+            f"{rows[:5].tolist()}); normalise them (the losses compare cosines or squared distances)"
         )
 
 
