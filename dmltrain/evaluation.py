@@ -95,11 +95,14 @@ def _embeddings(x: ArrayLike, name: str) -> torch.Tensor:
     if not bool(finite.all()):
         row = int(torch.nonzero(~finite)[0, 0])
         raise ValueError(f"{name} row {row} contains NaN or inf")
-    norms = torch.linalg.vector_norm(t, dim=1, keepdim=True)
-    if not bool((norms > 0).all()):
-        row = int(torch.nonzero(norms[:, 0] <= 0)[0, 0])
+    # Each row at unit scale first: a float32 norm overflows past |x| ~ 1.8e19 (the row became zeros and
+    # tied with everything) and underflows to 0 below ~1e-23 (a row refused as all zeros).
+    scale = t.abs().amax(dim=1, keepdim=True)
+    if not bool((scale > 0).all()):
+        row = int(torch.nonzero(scale[:, 0] <= 0)[0, 0])
         raise ValueError(f"{name} row {row} is all zeros: cosine similarity is undefined for it")
-    return t / norms
+    t = t / scale
+    return t / torch.linalg.vector_norm(t, dim=1, keepdim=True)
 
 
 def _labels(y: ArrayLike, n: int, name: str) -> np.ndarray:

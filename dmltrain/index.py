@@ -188,6 +188,18 @@ def _as_float32(x: Any, name: str) -> np.ndarray:
     return a
 
 
+def _unit_rows(a: np.ndarray, name: str) -> np.ndarray:
+    """Rows scaled to unit length, as the exact metrics rank them (cosine): an inner-product index over raw
+    rows ranked by length too. Scaled by their largest entry first, so that no norm overflows."""
+    scale = np.abs(a).max(axis=1, keepdims=True)
+    if not (scale > 0).all():
+        raise ValueError(
+            f"{name} row {int(np.argmin(scale[:, 0]))} is all zeros: cosine similarity is undefined"
+        )
+    a = a / scale
+    return np.ascontiguousarray(a / np.linalg.norm(a, axis=1, keepdims=True), dtype=np.float32)
+
+
 @dataclass
 class EmbeddingIndex:
     """A built faiss index (CPU form, plus a GPU copy where one is used) and what it was built as."""
@@ -603,11 +615,16 @@ def approximate_retrieval_metrics(
     positive's rank and is not reported; MAP@R and R-precision look at the top R (capped at ``max_k``, so
     a class larger than that is scored on its first ``max_k`` ranks: a lower bound, counted in
     ``num_queries_deeper_than_search`` beside ``search_depth``, and logged). Ties keep faiss's order (the
-    exact path, `dmltrain.evaluation.retrieval_metrics`, ranks ties pessimistically)."""
-    q = _as_float32(query_embeddings, "query_embeddings")
+    exact path, `dmltrain.evaluation.retrieval_metrics`, ranks ties pessimistically). Rows are ranked by
+    cosine similarity, as on the exact path."""
+    q = _unit_rows(_as_float32(query_embeddings, "query_embeddings"), "query_embeddings")
     q_lab = _label_array(query_labels, len(q), "query_labels")
     leave_one_out = gallery_embeddings is None
-    g = q if leave_one_out else _as_float32(gallery_embeddings, "gallery_embeddings")
+    g = (
+        q
+        if leave_one_out
+        else _unit_rows(_as_float32(gallery_embeddings, "gallery_embeddings"), "gallery_embeddings")
+    )
     g_lab = q_lab if leave_one_out else _label_array(gallery_labels, len(g), "gallery_labels")
     if g.shape[1] != q.shape[1]:
         raise ValueError(f"gallery dimension {g.shape[1]} != query dimension {q.shape[1]}")

@@ -106,7 +106,10 @@ def template_features(
 
     Returns the template ids (sorted) and a (T, D) float32 tensor in that order.
     """
-    x = torch.as_tensor(np.asarray(embeddings), dtype=torch.float32)
+    if isinstance(embeddings, torch.Tensor):  # numpy has no bf16 and refuses tensors on a GPU or in a graph
+        x = embeddings.detach().to("cpu", torch.float32)
+    else:
+        x = torch.as_tensor(np.asarray(embeddings), dtype=torch.float32)
     templates, media = np.asarray(templates, dtype=object), np.asarray(media, dtype=object)
     if x.dim() != 2 or not len(x) == len(templates) == len(media):
         raise ValueError(

@@ -254,6 +254,25 @@ def test_queries_without_positive_are_excluded_and_counted():
     assert gal["num_queries_without_positive"] + gal["num_queries"] == 50
 
 
+def test_metrics_do_not_depend_on_the_embeddings_scale():
+    """Cosine metrics of rows scaled by 1e20 (a float32 norm overflowed: rows became zeros and tied) or
+    1e-23 (the norm underflowed: refused as all zeros) are those at unit scale; the faiss metrics rank by
+    cosine too (they ranked raw rows by inner product, so by length as well)."""
+    from dmltrain.index import approximate_retrieval_metrics
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((40, 6)).astype(np.float32)
+    y = rng.integers(0, 6, 40)
+    want = retrieval_metrics(x, y, ks=(1, 2))
+    for scale in (1e20, 1e-23):
+        got = retrieval_metrics(torch.tensor(x) * scale, y, ks=(1, 2))
+        assert got == pytest.approx(want, abs=1e-6), scale
+    lengths = rng.uniform(0.1, 10.0, (40, 1)).astype(np.float32)  # far from unit length
+    flat = approximate_retrieval_metrics(x * lengths, y, ks=(1, 2), kind="flat", recall_queries=5)
+    for key in ("recall@1", "recall@2", "map@r", "r_precision"):
+        assert flat[key] == pytest.approx(want[key], abs=1e-6), key
+
+
 def test_no_query_with_a_positive_is_an_error():
     with pytest.raises(ValueError, match="none of the 5 queries"):
         retrieval_metrics(np.eye(5), np.arange(5))

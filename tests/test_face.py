@@ -78,6 +78,11 @@ def test_tar_at_far_matches_brute_force(tmp_path: Path) -> None:
     assert protocol.images == [r[0] for r in rows] and len(protocol.images) == len(embeddings)
     fars = (1e-1, 1e-2, 1e-3, 1e-4)
     metrics = verification_metrics(torch.from_numpy(embeddings), protocol, fars)
+    # a tensor still in the graph, or in bf16 (no numpy form): numpy refused both
+    grad = verification_metrics(torch.from_numpy(embeddings).requires_grad_(), protocol, fars)
+    assert grad == metrics
+    bf16 = verification_metrics(torch.from_numpy(embeddings).bfloat16(), protocol, fars)
+    assert bf16["num_genuine"] == metrics["num_genuine"]
     pairs = [(a, b, int(g)) for (a, b), g in zip(protocol.pairs, protocol.genuine, strict=True)]
     want = _brute_force(embeddings, rows, pairs, fars)
     assert metrics["num_impostor"] > 4000 and metrics["num_genuine"] > 40

@@ -166,6 +166,11 @@ def test_an_evaluation_no_query_can_answer_is_refused_before_any_worker(glyphs_r
     assert _one_line_error(check_data, base, apart).endswith(
         "evaluation 'qg': no class of split 'test' has an image in split 'train'"
     )
+    # a split that is its own gallery: every query found itself first (Recall@1 1.0 for any model)
+    itself = info.model_copy(update={"evaluations": [Evaluation(name="qq", query="test", gallery="test")]})
+    assert "evaluation 'qq' searches split 'test' with its own images as the gallery" in _one_line_error(
+        check_data, base, itself
+    )
 
 
 def test_missing_or_cut_shards_are_found_before_any_worker(glyphs_root: Path, tmp_path: Path) -> None:

@@ -162,6 +162,11 @@ def evaluation_problem(info: DatasetInfo, evaluation: Evaluation) -> str | None:
         return counts
 
     query, gallery = evaluation.query, evaluation.gallery
+    if gallery == query:  # every query would find itself first: Recall@1 1.0 whatever the model
+        return (
+            f"evaluation {evaluation.name!r} searches split {query!r} with its own images as the gallery; "
+            "leave gallery out (null) for leave-one-out retrieval within a split"
+        )
     for split in filter(None, (query, gallery)):
         if info.split(split).num_samples == 0:
             return f"evaluation {evaluation.name!r} reads split {split!r}, which has no images"
