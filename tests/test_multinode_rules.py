@@ -21,6 +21,7 @@ from dmltrain.service.cluster import (
     decide_topology,
     joins_existing_cluster,
     local_capacity_problem,
+    placement_shortfall,
     resolve_use_gpu,
     storage_problems,
 )
@@ -320,3 +321,23 @@ def test_cli_refuses_the_default_config_on_an_existing_cluster_before_any_worker
     assert errors[0].startswith("error: mlflow.tracking_uri=sqlite:///")
     assert "RayTrainWorker" not in proc.stderr
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "data").exists()
+
+
+def test_workers_the_attached_cluster_cannot_host_now_are_named_once() -> None:
+    """sop_smoothap_b16k.yaml asks for 8 workers of 12 CPUs; the shipped KubeRay pods have 32 CPUs and 4 GPUs,
+    so two of them host 4. Ray Train waited for the rest and retried the worker group without end, with no
+    word from dmltrain; an autoscaler may still add nodes, so it is a warning, not a refusal."""
+    config = load_config(REPO / "configs" / "sop_smoothap_b16k.yaml")
+    nodes = [_node("h", "10.0.0.1", 0), _node("a", "10.0.0.2", 32, 4), _node("b", "10.0.0.3", 32, 4)]
+    view = ClusterView.from_ray_nodes(nodes, attached=True)
+    assert placement_shortfall(config, view) == (
+        "the cluster's 3 nodes now fit 4 of scaling.num_workers=8 workers of 12 CPUs + 1 GPU each (its "
+        "largest node: 32 CPUs, 4 GPUs): Ray Train waits for nodes to join, and retries without end on a "
+        "cluster that does not grow; lower scaling.cpus_per_worker or scaling.num_workers to fit it"
+    )
+    eight = load_config(REPO / "configs" / "sop_smoothap_b16k.yaml", ["scaling.cpus_per_worker=8"])
+    assert placement_shortfall(eight, view) is None
+    # GPUs bound it too; a local cluster is checked by local_capacity_problem instead
+    few_gpus = ClusterView.from_ray_nodes([_node("a", "10.0.0.2", 96, 4)], attached=True)
+    assert "fit 4 of scaling.num_workers=8" in (placement_shortfall(eight, few_gpus) or "")
+    assert placement_shortfall(config, ClusterView.from_ray_nodes(nodes, attached=False)) is None

@@ -128,6 +128,36 @@ def decide_topology(setting: str, view: ClusterView) -> Topology:
     return Topology(False, "one local Ray node")
 
 
+def placement_shortfall(config: ExperimentConfig, view: ClusterView) -> str | None:
+    """One line when the nodes an attached cluster has now cannot host every worker, else None.
+
+    Not refused: an autoscaler may add nodes (Ray Train waits for them). But on a fixed cluster the worker
+    group never starts and Ray Train retries it without end (e.g. 8 workers of 12 CPUs on two 32-CPU
+    pods fit 4), so the driver says so once, with the numbers."""
+    if not view.attached or not view.nodes:
+        return None
+    scaling = config.scaling
+    cluster_gpus = sum(node.gpus for node in view.nodes)
+    gpu = scaling.use_gpu is True or (scaling.use_gpu == "auto" and cluster_gpus >= 1)
+    per_cpu = scaling.cpus_per_worker
+
+    def fits(node: NodeInfo) -> int:
+        by_cpu = int(node.cpus // per_cpu) if per_cpu > 0 else scaling.num_workers
+        return min(by_cpu, int(node.gpus)) if gpu else by_cpu
+
+    fit = sum(fits(node) for node in view.nodes)
+    if fit >= scaling.num_workers:
+        return None
+    each = f"{per_cpu:g} CPUs{' + 1 GPU' if gpu else ''}"
+    largest = max(view.nodes, key=lambda node: (node.gpus, node.cpus) if gpu else (node.cpus, node.gpus))
+    return (
+        f"the cluster's {len(view.nodes)} nodes now fit {fit} of scaling.num_workers={scaling.num_workers} "
+        f"workers of {each} each (its largest node: {largest.cpus:g} CPUs, {largest.gpus:g} GPUs): Ray Train "
+        "waits for nodes to join, and retries without end on a cluster that does not grow; lower "
+        "scaling.cpus_per_worker or scaling.num_workers to fit it"
+    )
+
+
 def local_capacity_problem(
     config: ExperimentConfig,
     view: ClusterView,

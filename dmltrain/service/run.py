@@ -38,6 +38,7 @@ from dmltrain.service.cluster import (
     decide_topology,
     joins_existing_cluster,
     local_capacity_problem,
+    placement_shortfall,
     resolve_use_gpu,
     storage_problems,
 )
@@ -289,6 +290,9 @@ def check_cluster(config: ExperimentConfig, tracking_uri: str, tracking_is_defau
         problems.append(capacity)
     if problems:
         raise ConfigError("\n".join(problems))
+    shortfall = placement_shortfall(config, view)
+    if shortfall:
+        log.warning(shortfall)
     log.info("Ray cluster: %s (%s)", "multi-node" if topology.multi_node else "single node", topology.reason)
     return view
 
