@@ -343,7 +343,13 @@ def test_compiled_channels_last_loop_computes_the_eager_step(
     """train.compile / train.channels_last forced on CPU: the first step's loss and gradient norm (before
     any update) equal the eager NCHW loop's. aot_eager instead of inductor keeps resnet18 quick to trace;
     inductor itself is compared with eager in test_acceleration.py. So does the loop with PyTorch's own
-    convolutions instead of train.small_conv_matmul's rewrite (on by default on CPU)."""
+    convolutions instead of train.small_conv_matmul's rewrite (on by default on CPU).
+
+    The channels_last gradient norm gets a looser bound: PyTorch's float32 channels_last convolutions on
+    CPU are less exact than its NCHW ones. On this loader's first batch, outside the loop (the same weights,
+    one plain forward and backward, gradient norm against float64): NCHW 4e-6 off, channels_last 1.2e-3 off
+    (2026-11-28, AVX-512 CPU); the loop's channels_last step is 1.2e-4 from its NCHW step. A plumbing fault
+    (a chunk replayed with other inputs or masks) is off by far more."""
     import functools
 
     from dmltrain.acceleration import compile_network
@@ -355,6 +361,7 @@ def test_compiled_channels_last_loop_computes_the_eager_step(
     first: dict[str, tuple[float, float]] = {}
     variants = {
         "eager": (),
+        "compiled": ("train.compile=true",),
         "fast": ("train.compile=true", "train.channels_last=true"),
         "pytorch_convs": ("train.small_conv_matmul=false",),
     }
@@ -369,13 +376,13 @@ def test_compiled_channels_last_loop_computes_the_eager_step(
         norm = client.get_metric_history(run_id, "train/grad_norm")[0].value
         first[name] = (loss, norm)
         tags = client.get_run(run_id).data.tags
-        expected = ("true", "works") if name == "fast" else ("false", "eager")
+        expected = ("true" if name == "fast" else "false", "works" if "compile" in str(flags) else "eager")
         assert (tags["dmltrain.channels_last"], tags["dmltrain.compile"]) == expected
         rewritten = "off" if name == "pytorch_convs" else "20 convolutions (tap"  # resnet18's Conv2d layers
         assert tags["dmltrain.small_conv_matmul"].startswith(rewritten)
-    for name in ("fast", "pytorch_convs"):
+    for name in ("compiled", "fast", "pytorch_convs"):
         assert first[name][0] == pytest.approx(first["eager"][0], rel=1e-5)
-        assert first[name][1] == pytest.approx(first["eager"][1], rel=1e-4)
+        assert first[name][1] == pytest.approx(first["eager"][1], rel=2e-3 if name == "fast" else 1e-5)
 
 
 def test_out_of_gpu_memory_names_the_setting_that_bounds_it() -> None:
