@@ -388,3 +388,34 @@ def test_pk_part_near_the_plans_capacity_takes_each_class_s_largest_piece(tmp_pa
     for step in range(30):
         batch = batcher.next_batch(step)
         assert len(batch) == 156 and max(Counter(s.cls for s in batch).values()) <= 4
+
+
+def test_a_class_dealt_over_several_consumers_is_in_a_global_batch_once(tmp_path: Path) -> None:
+    """`prepare` deals a class larger than its group size over several shards, so several loader workers
+    and ranks hold it; each filled its part from its own classes, and a P x K batch held such a class two or
+    three times (2K-3K images: every step here, 35 of 50 on a CUB-like layout). The holders now take turns.
+    Real loaders: 2 ranks x 2 loader processes."""
+    root = synthetic(tmp_path / "split", [(f"c{i:02d}", 16, None) for i in range(12)], 32, group_size=4)
+    spec = SamplerSpec(name="pk", samples_per_class=4, seed=1)
+    with pytest.warns(UserWarning, match="1 train classes are held only by loader workers whose part"):
+        TrainLoader(root, 8, spec, rank=0, world_size=2, num_workers=2, image_size=8)  # parts [8, 0, 8, 0]
+    ranks = [
+        TrainLoader(root, 16, spec, rank=r, world_size=2, num_workers=2, image_size=8, with_keys=True)
+        for r in range(2)
+    ]
+    assert ranks[0].plan.holders and all(ranks[0].plan.parts)  # the classes really are shared
+    try:
+        seen: set[int] = set()
+        for _ in range(24):
+            batches = [loader.next_batch() for loader in ranks]
+            labels = Counter(int(y) for _, y, _, _ in batches for y in y.tolist())
+            assert sorted(labels.values()) == [4] * 8, labels
+            seen.update(labels)
+        assert len(seen) == 12  # no class is left out by the turns
+        # no part needed another consumer's turn (the service logs these counters as sampler/*)
+        assert all(
+            TrainLoader.sampler_counters(r.state_dict()).get("off_turn_classes", 0) == 0 for r in ranks
+        )
+    finally:
+        for loader in ranks:
+            loader.close()

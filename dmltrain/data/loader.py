@@ -24,6 +24,7 @@ import os
 import queue
 import threading
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,6 +282,7 @@ class TrainStream(IterableDataset):
                 held.classes,
                 held.images,
                 plan.capacity[consumer],
+                plan.turns(consumer),
             )
         if spec.name == "triplet":
             assert plan.parts is not None
@@ -613,6 +615,15 @@ class TrainLoader:
             "sampler": self.spec.to_dict(),
             "fingerprint": self.info.fingerprint,
         }
+
+    @staticmethod
+    def sampler_counters(state: dict[str, Any]) -> dict[str, int]:
+        """What this rank's batchers dropped, cut, repeated or took off their turn so far, summed over its
+        loader workers, from a `state_dict` (the counters travel with each part)."""
+        total: Counter[str] = Counter()
+        for worker in state.get("workers", {}).values():
+            total.update(worker.get("batcher", {}).get("counters", {}))
+        return dict(sorted(total.items()))
 
     def state_dict(self) -> dict[str, Any]:
         """Small, picklable: the step count plus each worker's stream position, sampler RNG and buffer

@@ -42,6 +42,7 @@ def check_enough_shards(split: str, num_shards: int, world_size: int, workers: i
 
 
 _PHASES = 1 << 16
+_WEIGHT_SCALE = 1 << 10  # integer apportioning weights from fractional capacities
 
 
 def phase(step: int) -> int:
@@ -248,6 +249,7 @@ class TrainPlan:
         self.parts: list[int] | None = None  # fixed part of each consumer (pk, random, triplet)
         self.capacity: list[int] = [h.images for h in self.holdings]
         self.schedule: PairSchedule | CategorySchedule | None = None
+        self.holders: dict[int, tuple[int, ...]] = {}  # pk/random: the consumers of each shared class
         self.excluded_categories: list[int] = []
         self._quotas: dict[tuple[int, int, int], list[Quota]] = {}
         usable = split_info.num_samples - len(split_info.singleton_classes)
@@ -326,6 +328,7 @@ class TrainPlan:
                 f"classes per batch, but {self.where} has {train_classes} train classes (of 2+ images)"
             )
         self.capacity = [sum(largest_piece(n, k) for n in h.runs.values()) for h in self.holdings]
+        self._plan_turns()
         ranks = [self._rank_slice(r) for r in range(self.world_size)]
         rank_caps = [sum(self.capacity[s]) for s in ranks]
         for r, cap in enumerate(rank_caps):
@@ -343,7 +346,56 @@ class TrainPlan:
                     f"{self.world_size * min(rank_caps)} or less"
                 )
         unit = k if pk and k else reduce(math.gcd, self._units().values(), 0) or 1
-        self.parts = [p for s in ranks for p in apportion(b, self.capacity[s], self.capacity[s], unit)]
+        # Weighted by what a consumer gives on its turns (a shared class counts 1/holders), capped by all.
+        expected = [
+            round(
+                _WEIGHT_SCALE
+                * sum(largest_piece(n, k) / len(self.holders.get(c, (0,))) for c, n in h.runs.items())
+            )
+            for h in self.holdings
+        ]
+        self.parts = [p for s in ranks for p in apportion(b, expected[s], self.capacity[s], unit)]
+        self._plan_turns()  # again, among the consumers that fill a part: a turn of one without is lost
+        served = {c for h, part in zip(self.holdings, self.parts, strict=True) if part for c in h.runs}
+        unserved = {c for h in self.holdings for c, n in h.runs.items() if n >= 2 and c not in served}
+        if unserved:
+            warnings.warn(
+                f"split {self.split!r}: {len(unserved)} train classes are held only by loader workers whose "
+                f"part of the batch is 0 ({b} images per rank, in units of {unit}, over {self.workers} "
+                "loader workers): they are never sampled; lower data.loader_workers",
+                stacklevel=4,
+            )
+
+    def _plan_turns(self) -> None:
+        """The consumers holding each class of 2+ images that more than one consumer holds: a class larger
+        than `prepare`'s group size is dealt over several shards, and each holder filling its part from its
+        own classes put such a class into one global batch twice or more (CUB at K=3 on 2 x 4 consumers:
+        35 of 50 batches). In a step only the holder on turn (`on_turn`) offers it."""
+        holders: dict[int, list[int]] = {}
+        for consumer, held in enumerate(self.holdings):
+            if self.parts is not None and not self.parts[consumer]:
+                continue
+            for cls, n in held.runs.items():
+                if n >= 2:
+                    holders.setdefault(cls, []).append(consumer)
+        self.holders = {cls: tuple(found) for cls, found in holders.items() if len(found) > 1}
+        # Classes of the same holders take turns in a cycle (offsets 0, 1, 2, ...): in every step each of
+        # those holders offers an equal share of them, give or take one.
+        self._turn_offsets: dict[int, int] = {}
+        seen: dict[tuple[int, ...], int] = {}
+        for cls in sorted(self.holders):
+            group = self.holders[cls]
+            self._turn_offsets[cls] = seen.get(group, 0)
+            seen[group] = self._turn_offsets[cls] + 1
+
+    def turns(self, consumer: int) -> dict[int, tuple[int, int, int]]:
+        """class -> (this consumer's position among its holders, holders, the class's turn offset), for
+        the classes it shares with other consumers (`dmltrain.data.sampling.on_turn`)."""
+        return {
+            cls: (found.index(consumer), len(found), self._turn_offsets[cls])
+            for cls, found in self.holders.items()
+            if consumer in found
+        }
 
     def _plan_triplet(self) -> None:
         big, b = self.global_batch, self.batch_size

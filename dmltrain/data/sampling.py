@@ -104,6 +104,13 @@ def largest_piece(n: int, k: int | None) -> int:
     return k - 1 if n == k + 1 and k >= 3 else k
 
 
+def on_turn(step: int, position: int, holders: int, offset: int) -> bool:
+    """Whether the holder at `position` of a class that `holders` consumers hold offers it in global step
+    `step`: each step exactly one of them, every process agreeing without talking. `offset` staggers the
+    classes of the same holders, so that they share each step's turns evenly (`TrainPlan.turns`)."""
+    return (step + offset) % holders == position
+
+
 def _refs(samples: list[Sample]) -> list[list[int]]:
     return [[s.shard, s.member] for s in samples]
 
@@ -172,9 +179,11 @@ class PoolBatcher(Batcher):
         held_classes: int,
         held_images: int,
         capacity: int,
+        turns: dict[int, tuple[int, int, int]] | None = None,
     ) -> None:
         super().__init__(stream, part, spec, seed, where)
         self.k = spec.samples_per_class if spec.name == "pk" else None
+        self.turns = turns or {}  # class -> (position, holders, offset) of classes others hold too
         self.pool: list[list[Sample]] = []
         self.size = 0
         self.pool_classes: Counter[int] = Counter()  # pieces of each class in the pool
@@ -219,7 +228,7 @@ class PoolBatcher(Batcher):
             return []
         self._fill()
         for _ in range(2):
-            chosen = self._select()
+            chosen = self._select(step)
             if chosen is not None:
                 return chosen
             read = 0  # what the part lacks may be further on: read one more pass, then give up
@@ -227,25 +236,43 @@ class PoolBatcher(Batcher):
                 read += self._ingest(self.stream.next_group(), short=True)
         raise SamplingError(self._shortage())
 
-    def _select(self) -> list[Sample] | None:
+    def _select(self, step: int) -> list[Sample] | None:
         """One piece per class, in a random order over the pool's pieces (so a class is drawn as often as
         it has pieces: a pass over the data per epoch); None, with the pool untouched, when short.
 
         A part the first pieces cannot fill is tried again with each class's largest piece: the batch plan
         counts those (a class of K+1 cut into K-1 + 2 gives K-1), so a part it accepts is not refused
-        because the smaller pieces came first."""
+        because the smaller pieces came first. A class other consumers hold too is offered only on this
+        consumer's turn (`on_turn`); a part that cannot be filled without the others' takes them as a last
+        resort, counted as `off_turn_classes` (each may then be in the global batch twice)."""
         order = self.rng.permutation(len(self.pool))
-        for pieces in (_first_piece_per_class, _largest_piece_per_class):
-            picked = self._pick(pieces, order)
-            if picked is not None:
-                return self._take(*picked)
+        blocked = {
+            cls for cls in self.pool_classes if cls in self.turns and not on_turn(step, *self.turns[cls])
+        }
+        for allowed in (blocked, set()) if blocked else (blocked,):
+            for pieces in (_first_piece_per_class, _largest_piece_per_class):
+                picked = self._pick(pieces, order, allowed)
+                if picked is not None:
+                    fill, cut = picked
+                    if not allowed and blocked:
+                        cut_class = {self.pool[cut[0]][0].cls} if cut is not None else set()
+                        self.counters["off_turn_classes"] += len((fill.used | cut_class) & blocked)
+                    return self._take(fill, cut)
         return None
 
     def _pick(
-        self, pieces: Callable[[list[list[Sample]], np.ndarray], Iterator[Item]], order: np.ndarray
+        self,
+        pieces: Callable[[list[list[Sample]], np.ndarray], Iterator[Item]],
+        order: np.ndarray,
+        blocked: set[int],
     ) -> tuple[Fill, tuple[int, int] | None] | None:
-        """The pieces (and the one cut to fit) that fill the part, offered by ``pieces`` in ``order``."""
-        items = pieces(self.pool, order)  # lazy: a full part rarely scans the whole pool
+        """The pieces (and the one cut to fit) that fill the part, offered by ``pieces`` in ``order``,
+        leaving out the classes in ``blocked``."""
+
+        def offer() -> Iterator[Item]:  # lazy: a full part rarely scans the whole pool
+            return (item for item in pieces(self.pool, order) if item[1] not in blocked)
+
+        items = offer()
         fill = Fill(self.batch_size)
         cut: tuple[int, int] | None = None  # (pool index, images taken) of a piece cut to fit
         if self.k is not None:  # pk: the piece that overflows is cut (pieces are cuts of a class anyway)
@@ -262,9 +289,9 @@ class PoolBatcher(Batcher):
         else:
             take_greedy(items, fill, fill.need)
         if fill.need:  # short: every class of the pool is a candidate for an exchange or a cut
-            items = pieces(self.pool, order)
+            items = offer()
         if fill.need and not repair(fill, items) and fill.need >= 2:
-            items = pieces(self.pool, order)
+            items = offer()
             big = next((it for it in items if it[1] not in fill.used and it[2] > fill.need), None)
             if big is not None:  # whole classes cannot add up: cut one, counted
                 cut, fill.need = (big[0], fill.need), 0

@@ -789,6 +789,9 @@ class WorkerLoop:
                     metrics["train/overflow_steps"] = self.counters.overflow_steps
                 if self.tn_schedule is not None:
                     metrics["train/rll_tn"] = float(self.tn_schedule.loss.tn)
+                if self.rank == 0:  # rank 0's loader workers: images a sampler dropped, cut or repeated
+                    counters = TrainLoader.sampler_counters(self._stream_state())
+                    metrics.update({f"sampler/{name}": float(n) for name, n in counters.items()})
                 self._log(metrics)
                 if self.rank == 0 and self.window.steps:
                     log.info(
