@@ -10,6 +10,7 @@ import itertools
 import os
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -419,3 +420,26 @@ def test_a_class_dealt_over_several_consumers_is_in_a_global_batch_once(tmp_path
     finally:
         for loader in ranks:
             loader.close()
+
+
+def test_hard_quotas_give_no_loader_worker_a_single_image(categories: Path) -> None:
+    """Two ranks' workers each got one image of a category (a rank's share of 2 split 1 + 1): a part of one
+    image has no class to fill it, and the run the plan accepted stopped at step 0 with 'no class of 2+
+    images of categories [4] is buffered' (3 ranks x 2 loader workers, B=24)."""
+    spec = SamplerSpec(name="hard", seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the layout's small-category warnings
+        plan = check_batch(load_dataset_info(categories), "train", spec, 24, 3, 2)
+        loader = TrainLoader(
+            categories, 8, spec, rank=2, world_size=3, num_workers=2, image_size=8, with_keys=True
+        )
+    for step in range(plan.steps_per_epoch):
+        for consumer in range(plan.consumers):
+            quota = plan.quota(step, consumer)
+            assert sum(n for _, n in quota) != 1, (step, consumer, quota)
+    try:
+        for _ in range(12):
+            keys = loader.next_batch()[3]
+            assert len(keys) == len(set(keys)) == 8
+    finally:
+        loader.close()

@@ -112,6 +112,11 @@ def _no_single_images(parts: list[int], caps: list[int]) -> None:
             parts[donor] -= 1
             parts[i] += 1
             continue
+        other = next((j for j in range(len(parts)) if j != i and parts[j] == 1), None)
+        if other is not None and (caps[i] >= 2 or caps[other] >= 2):  # two single images: one pair
+            keep, drop = (i, other) if caps[i] >= 2 else (other, i)
+            parts[keep], parts[drop] = 2, 0
+            continue
         room = [j for j in range(len(parts)) if j != i and parts[j] >= 2 and parts[j] < caps[j]]
         if room:
             parts[room[0]] += 1
@@ -493,6 +498,8 @@ class TrainPlan:
         lo = [min(h, -(-max(0, b_loc - n) // unit_a) * unit_a) for h, n in zip(hi, rank_b, strict=True)]
         total_a = min(max(total_a, sum(lo)), sum(hi))
         xs = _even_split(total_a, lo, hi, unit_a, shift)
+        if unit_a == 1:  # one image of a on a rank is a loader worker's part of one image: unfillable
+            _no_single_images(xs, hi)
         quotas: list[Quota] = []
         for r, s in enumerate(ranks):
             y = min(b_loc - xs[r], rank_b[r])
