@@ -45,29 +45,40 @@ RUN set -eux; \
     useradd --uid 1000 --gid 1000 --create-home --home-dir /home/ray --shell /bin/bash ray; \
     command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python
 
-# Install dmltrain (not editable: the image is a release) with the gpu extra (faiss-gpu) and
-# the s3 extra (s3fs, so data.root can be s3://), plus boto3, which the `ray up` head's
-# autoscaler launches EC2 workers with. Every package pip resolves is pinned by cluster/image-constraints.txt
-# (generated from the environment the tests passed in: cluster/update_image_constraints.py), so a rebuild
-# installs the same versions, the MLflow client equals the server's version (kubernetes/mlflow.yaml) and
-# boto3 stays on the botocore that s3fs's aiobotocore pins. Ray writes s3:// checkpoints itself.
-# faiss-cpu (a base dependency) and faiss-gpu write the same files, so both are removed afterwards and
-# faiss-gpu alone is put back (its CUDA libraries stay installed).
-COPY pyproject.toml README.md /tmp/dmltrain-src/
-COPY dmltrain /tmp/dmltrain-src/dmltrain
+# Install dmltrain (not editable: the image is a release) with the gpu extra (faiss-gpu), the s3 extra
+# (s3fs, so data.root can be s3://), the timm and openclip extras (model.backbone timm:<name> /
+# open_clip:<name>), plus boto3, which the `ray up` head's autoscaler launches EC2 workers with. Every package
+# pip resolves is pinned by cluster/image-constraints.txt (generated from the environment the tests passed
+# in: cluster/update_image_constraints.py), so a rebuild installs the same versions, the MLflow client equals
+# the server's version (kubernetes/mlflow.yaml) and boto3 stays on the botocore that s3fs's aiobotocore pins.
+# Ray writes s3:// checkpoints itself. faiss-cpu (a base dependency) and faiss-gpu write the same files, so
+# both are removed afterwards and faiss-gpu alone is put back (its CUDA libraries stay installed).
+# Two layers: the dependencies, from pyproject.toml and the constraints alone (a stand-in package and README
+# take the place of the code), then the code without dependencies. A commit that changes only code or the
+# README then rebuilds seconds of the image, not the gigabytes of Ray, MLflow and faiss-gpu.
+COPY pyproject.toml /tmp/dmltrain-deps/
 COPY cluster/image-constraints.txt /tmp/image-constraints.txt
 RUN set -eux; \
     grep -qx "ray==${RAY_VERSION}" /tmp/image-constraints.txt; \
     grep -qx "torch==${TORCH_VERSION}" /tmp/image-constraints.txt; \
     grep -qx "torchvision==${TORCHVISION_VERSION}" /tmp/image-constraints.txt; \
-    cd /tmp/dmltrain-src; \
-    python -m pip install --constraint /tmp/image-constraints.txt ".[gpu,s3]" boto3; \
-    python -m pip uninstall -y faiss-cpu faiss-gpu; \
+    cd /tmp/dmltrain-deps; \
+    mkdir dmltrain; \
+    touch dmltrain/__init__.py; \
+    echo "# dmltrain" > README.md; \
+    python -m pip install --constraint /tmp/image-constraints.txt ".[gpu,s3,timm,openclip]" boto3; \
+    python -m pip uninstall -y dmltrain faiss-cpu faiss-gpu; \
     python -m pip install --no-deps --constraint /tmp/image-constraints.txt "faiss-gpu>=1.8"; \
     cd /; \
+    rm -rf /tmp/dmltrain-deps
+
+COPY pyproject.toml README.md /tmp/dmltrain-src/
+COPY dmltrain /tmp/dmltrain-src/dmltrain
+RUN set -eux; \
+    python -m pip install --no-deps --constraint /tmp/image-constraints.txt /tmp/dmltrain-src; \
     rm -rf /tmp/dmltrain-src /tmp/image-constraints.txt; \
     ray --version; \
-    python -c "import dmltrain"
+    python -c "import dmltrain, dmltrain.service.cli, timm, open_clip"
 
 # Experiment configs, so `python -m dmltrain.run configs/<name>.yaml` works from the working directory.
 COPY --chown=1000:1000 configs /home/ray/configs

@@ -1,13 +1,13 @@
 """Write cluster/image-constraints.txt: exact versions for everything pip installs into the image.
 
-The image runs ``pip install --constraint cluster/image-constraints.txt ".[gpu,s3]" boto3`` on top of the
-PyTorch base image, so two builds a month apart get the same packages. The pins are the versions resolved
-in the environment this script runs in (the project's development venv, where the test suite passed):
-dmltrain's dependencies with the gpu and s3 extras plus boto3, and all their dependencies, walked through
-the installed packages' metadata. torch and torchvision are pinned by name only: the base image brings them
-and their CUDA libraries, so their own dependency trees (CUDA wheels of another CUDA version here) are not
-walked. faiss-gpu is not installable without CUDA; it is pinned to the installed faiss-cpu's version (both
-are built from the same faiss release).
+The image runs ``pip install --constraint cluster/image-constraints.txt ".[gpu,s3,timm,openclip]" boto3`` on
+top of the PyTorch base image, so two builds a month apart get the same packages. The pins are the versions
+resolved in the environment this script runs in (the project's development venv, where the test suite
+passed): dmltrain's dependencies with the gpu, s3, timm and openclip extras plus boto3, and all their
+dependencies, walked through the installed packages' metadata. torch and torchvision are pinned by name
+only: the base image brings them and their CUDA libraries, so their own dependency trees (CUDA wheels of
+another CUDA version here) are not walked. faiss-gpu is not installable without CUDA; it is pinned to the
+installed faiss-cpu's version (both are built from the same faiss release).
 
     python cluster/update_image_constraints.py          # rewrite the file
     python cluster/update_image_constraints.py --check  # exit 1 if it is out of date
@@ -33,7 +33,7 @@ from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT = REPO / "cluster" / "image-constraints.txt"
-EXTRAS = ("gpu", "s3")
+EXTRAS = ("gpu", "s3", "timm", "openclip")
 ALSO = ("boto3",)  # the `ray up` head's autoscaler launches EC2 workers with it
 BASE_IMAGE_PACKAGES = {"torch", "torchvision"}  # pinned, but their dependencies come with the base image
 STAND_INS = {"faiss-gpu": "faiss-cpu"}  # pinned to the stand-in's installed version

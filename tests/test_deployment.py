@@ -829,7 +829,7 @@ def test_dockerfile_is_pinned_non_root_and_installs_the_gpu_extra(dockerfile_tex
         (":2.14.1-cuda12.6-cudnn9-runtime", ":2.14-cuda12.6-cudnn9-runtime", "not an exact version"),
         (":2.14.1-cuda12.6-cudnn9-runtime", "", "no tag"),
         ("USER 1000:1000", "USER root", "final USER"),
-        ('".[gpu,s3]"', '".[cpu,s3]"', "gpu extra"),
+        ('".[gpu,s3,timm,openclip]"', '".[cpu,s3,timm,openclip]"', "gpu extra"),
         ("--uid 1000", "--uid 1001", "uid 1000"),
         ("WORKDIR /home/ray", "WORKDIR /workspace", "WORKDIR"),
         ("HOME=/home/ray", "HOME=/root", "ENV HOME"),

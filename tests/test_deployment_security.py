@@ -400,6 +400,7 @@ def check_image_pins(dockerfile: str, constraints: str, pyproject: Doc, mlflow_i
     project = pyproject["project"]
     requirements = [*project["dependencies"], *project["optional-dependencies"]["gpu"]]
     requirements += [*project["optional-dependencies"]["s3"], "boto3"]
+    requirements += [*project["optional-dependencies"]["timm"], *project["optional-dependencies"]["openclip"]]
     for text in requirements:
         requirement = Requirement(text)
         name = canonicalize_name(requirement.name)
@@ -700,8 +701,9 @@ def _generated_pins() -> dict[str, str]:
 
 
 def test_constraints_pin_every_package_the_image_installs() -> None:
-    """The generator, walking the installed dependency tree of dmltrain[gpu,s3] + boto3, finds exactly the
-    packages the committed file pins: a new dependency (or a dropped one) shows up here in any environment."""
+    """The generator, walking the installed dependency tree of dmltrain[gpu,s3,timm,openclip] + boto3, finds
+    exactly the packages the committed file pins: a new dependency (or a dropped one) shows up here in any
+    environment."""
     generated, committed = _generated_pins(), parse_constraints(CONSTRAINTS.read_text())
     assert sorted(set(generated) - set(committed)) == [], (
         "not pinned: run cluster/update_image_constraints.py"
