@@ -139,6 +139,20 @@ def test_booleans_infinities_and_paths_in_a_name_are_refused() -> None:
     assert config.train.compile is False and config.model.freeze_bn is False
 
 
+def test_building_the_glyphs_into_a_url_is_refused() -> None:
+    """data.prepare=glyphs with data.root=s3://bucket/x wrote 92 MB into ./s3:/bucket/x, then failed reading
+    the real URL."""
+    path = CONFIGS[0].parent / "quickstart.yaml"
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, ["data.root=s3://bucket/x"])
+    message = str(caught.value)
+    assert (
+        "data: prepare=glyphs builds the data set on this machine, so root must be a local directory"
+        in message
+    )
+    assert load_config(path, ["data.root=s3://bucket/x", "data.prepare=null"]).data.root == "s3://bucket/x"
+
+
 def test_worker_environment_keys(tmp_path: Path) -> None:
     from dmltrain.service.run import worker_env_vars
 
@@ -299,7 +313,8 @@ def test_launch_resolves_only_relative_local_paths(
     from dmltrain.service.run import resolve_paths
 
     config = load_config(
-        CONFIGS[0].parent / "quickstart.yaml", [f"data.root={root}", f"run.storage_path={storage}"]
+        CONFIGS[0].parent / "quickstart.yaml",
+        [f"data.root={root}", f"run.storage_path={storage}", "data.prepare=null"],
     )
     resolved = resolve_paths(config, base=tmp_path)
     base = str(tmp_path.resolve())

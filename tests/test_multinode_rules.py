@@ -216,7 +216,8 @@ def test_paths_absolute_or_remote_pass_the_rules_and_relative_weights_do_not(tmp
     )
     assert storage_problems(ok, "http://mlflow:5000", False, MULTI) == []
     weights = load_config(
-        QUICKSTART, ["data.root=gs://b/x", "run.storage_path=/mnt/r", "model.weights=w/r18.pt"]
+        QUICKSTART,
+        ["data.root=gs://b/x", "data.prepare=null", "run.storage_path=/mnt/r", "model.weights=w/r18.pt"],
     )
     (problem,) = storage_problems(weights, "http://mlflow:5000", False, MULTI)
     assert problem.startswith("model.weights=w/r18.pt is relative")
@@ -285,7 +286,12 @@ def test_shared_path_check_names_an_experiment_whose_artifacts_stay_on_the_drive
     the driver's disk: rank 0 on another node wrote plots, checkpoints and models to its own disk."""
     config = load_config(
         QUICKSTART,
-        ["data.root=s3://bucket/data", "run.storage_path=s3://bucket/runs", "mlflow.experiment=e1"],
+        [
+            "data.root=s3://bucket/data",
+            "data.prepare=null",
+            "run.storage_path=s3://bucket/runs",
+            "mlflow.experiment=e1",
+        ],
     )
     view = ClusterView.from_ray_nodes(ray_cluster.nodes(), attached=False, driver_node_id="the-driver")
     monkeypatch.setattr("dmltrain.service.cluster.file_fingerprint", lambda path: "as the driver sees it")

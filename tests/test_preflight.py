@@ -281,7 +281,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_where_the_run_writes_is_checked_in_seconds(tmp_path: Path) -> None:
+def test_where_the_run_writes_is_checked_in_seconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tracking server that is down cost ~4 minutes of MLflow's retries and then a traceback; something
     else on that port, a 404 traceback after Ray started; a storage path that is a file, a traceback from
     Ray's controller after an MLflow run had been created. Checked against a real MLflow server, a real
@@ -308,6 +308,20 @@ def test_where_the_run_writes_is_checked_in_seconds(tmp_path: Path) -> None:
     assert _one_line_error(check_outputs, ok, "ftp://mlflow.example/store").startswith(
         "mlflow.tracking_uri=ftp://mlflow.example/store: MLflow has no tracking store for ftp: URIs (it has "
     )
+    # MLflow 3's file store is refused unless MLFLOW_ALLOW_FILE_STORE is set (a 42-line traceback before);
+    # a storage scheme pyarrow has no file system for killed Ray's controller after the run was created.
+    for path_store in (f"{tmp_path / 'mlruns'}", f"file://{tmp_path / 'mlruns'}"):
+        assert "a file store, which this MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true" in (
+            _one_line_error(check_outputs, ok, path_store)
+        )
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    check_outputs(ok, f"file://{tmp_path / 'mlruns'}")
+    assert _one_line_error(
+        check_outputs, _config("run.storage_path=foo://bar/x"), "sqlite:///x.db"
+    ).startswith(
+        "run.storage_path=foo://bar/x: Ray stores checkpoints through pyarrow, which has no file system for foo://"
+    )
+    check_outputs(_config("run.storage_path=s3://bucket/ray"), "sqlite:///x.db")  # no network asked
     closed = f"http://127.0.0.1:{_free_port()}"
     started = time.monotonic()
     assert "cannot connect to 127.0.0.1:" in _one_line_error(check_outputs, ok, closed)

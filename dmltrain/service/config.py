@@ -25,6 +25,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from dmltrain.data.urls import is_local
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the file and key at fault in the message."""
@@ -143,6 +145,11 @@ class DataConfig(_Section):
             raise ValueError(f"resize={self.resize} must be at least image_size={self.image_size}")
         if self.std is not None and min(self.std) <= 0:
             raise ValueError(f"std must be positive, got {self.std}")
+        if self.prepare is not None and not is_local(self.root):  # it built into ./s3:/bucket/...
+            raise ValueError(  # the URL is not repeated: it may hold a password
+                f"prepare={self.prepare} builds the data set on this machine, so root must be a local "
+                "directory, not a URL: build it locally, copy it there, and set prepare to null"
+            )
         return self
 
 

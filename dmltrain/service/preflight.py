@@ -243,6 +243,11 @@ def shared_memory_config_problem(
     return shared_memory_problem(*shared_memory_config_need(config, info, decode, ranks))
 
 
+# The URI schemes pyarrow.fs.FileSystem.from_uri (Ray Train's storage) resolves: listed, since resolving an
+# s3:// URI itself asks the network for the bucket's region.
+_STORAGE_SCHEMES = frozenset({"file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss"})
+
+
 def check_outputs(config: ExperimentConfig, tracking_uri: str, timeout_s: float = 5.0) -> None:
     """Where the run writes: the MLflow store and ``run.storage_path`` (resolved), checked in seconds.
 
@@ -259,6 +264,13 @@ def check_outputs(config: ExperimentConfig, tracking_uri: str, timeout_s: float 
         problem = directory_problem(Path(storage))
         if problem:
             problems.append(f"run.storage_path={storage}: {problem}")
+    else:
+        scheme = urlsplit(storage).scheme.lower()
+        if scheme not in _STORAGE_SCHEMES:  # Ray's controller died on it, after an MLflow run was created
+            problems.append(
+                f"run.storage_path={storage}: Ray stores checkpoints through pyarrow, which has no file "
+                f"system for {scheme}:// (it has {', '.join(f'{s}://' for s in sorted(_STORAGE_SCHEMES))})"
+            )
     if problems:
         raise ConfigError("\n".join(problems))
 
@@ -267,7 +279,7 @@ def tracking_problem(uri: str, timeout_s: float = 5.0) -> str | None:
     """Why the MLflow store at ``uri`` cannot be used, or None: a scheme MLflow has no store for, a sqlite
     file whose folder cannot be written, or a server (http, a database) that refuses or does not answer a
     connection."""
-    unknown = _unknown_store_scheme(uri)
+    unknown = _unknown_store_scheme(uri) or _refused_file_store(uri)
     if unknown:
         return unknown
     store = sqlite_store_path(uri)
@@ -289,6 +301,23 @@ def tracking_problem(uri: str, timeout_s: float = 5.0) -> str | None:
         reason = error.strerror or str(error) or type(error).__name__
         return f"cannot connect to {parts.hostname}:{port} ({reason})"
     return _mlflow_server_problem(uri, timeout_s) if scheme in ("http", "https") else None
+
+
+def _refused_file_store(uri: str) -> str | None:
+    """A path or file: URI names MLflow's file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE
+    is set: the driver failed with a 42-line traceback when it first looked the run up."""
+    if urlsplit(uri).scheme.lower() not in ("", "file"):
+        return None
+    try:
+        from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+    except ImportError:  # an MLflow from before the file store's maintenance mode takes it
+        return None
+    if MLFLOW_ALLOW_FILE_STORE.get():
+        return None
+    return (
+        "a file store, which this MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true: use "
+        "sqlite:///<folder>/mlflow.db, a tracking server, or set that variable"
+    )
 
 
 def _unknown_store_scheme(uri: str) -> str | None:
