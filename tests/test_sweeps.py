@@ -173,6 +173,31 @@ def test_a_section_replaced_after_one_of_its_keys_is_refused(tmp_path: Path) -> 
         variants=[{"name": "s", "overrides": {"loss": {"name": "smoothap"}, "loss.temperature": 0.05}}]
     )
     assert load_sweep(_write(tmp_path / "f.yaml", fine)).trials[0].config.loss.temperature == 0.05
+    # the command line's whole sections: the README promised the same refusal, but `data={root: ...}`
+    # silently undid the sweep file's data.flip: false (and a whole loss= made every variant the same)
+    keys = _write(tmp_path / "k.yaml", _spec(overrides={"train.steps": 2, "data.flip": False}))
+    with pytest.raises(ConfigError) as refused:
+        load_sweep(keys, ["data={root: elsewhere}"])
+    assert str(refused.value) == (
+        "sweep t: the command line's data=... replaces the whole section data, which drops data.flip=False "
+        "set by the sweep file; set the section's keys one by one (data.<key>=...)"
+    )
+    assert load_sweep(keys, ["data.root=elsewhere"]).trials[0].config.data.flip is False
+    sections = _write(
+        tmp_path / "v.yaml", _spec(variants=[{"name": "s", "overrides": {"loss": {"name": "smoothap"}}}])
+    )
+    with pytest.raises(ConfigError, match=r"drops loss=\{'name': 'smoothap'\} set by the sweep file"):
+        load_sweep(sections, ["loss={name: fastap}"])
+
+
+def test_a_sweep_name_is_a_plain_folder_name(tmp_path: Path) -> None:
+    """--name a/b nested Tune's experiment folder (run.name refuses the same)."""
+    path = _write(tmp_path / "s.yaml", _spec())
+    with pytest.raises(ConfigError, match=r"^--name 'a/b': must be a plain name"):
+        load_sweep(path, name="a/b")
+    with pytest.raises(ConfigError, match=r"name: must be a plain name"):
+        load_sweep(_write(tmp_path / "n.yaml", {**_spec(), "name": "../up"}))
+    assert load_sweep(path, name="other").spec.name == "other"
 
 
 def test_the_sweeps_own_settings_are_not_overridden_silently(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from dmltrain.versions import VersionAction
 
@@ -20,6 +21,25 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``low``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer of at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a rate in [0, 1], got {text}")
     return value
 
 
@@ -80,16 +100,18 @@ def _register_prepare(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--split-dir", default=None, help="inaturalist: folder with the Smooth-AP split files"
     )
-    parser.add_argument("--min-faces", type=int, default=None, help="glyphs: faces a character needs (12)")
-    parser.add_argument("--image-size", type=int, default=None, help="glyphs: image side in pixels (64)")
     parser.add_argument(
-        "--max-classes", type=int, default=None, help="glyphs: keep only the first N characters"
+        "--min-faces", type=_at_least(2), default=None, help="glyphs: faces a character needs (12)"
+    )
+    parser.add_argument(
+        "--image-size", type=_at_least(8), default=None, help="glyphs: image side in pixels (64)"
+    )
+    parser.add_argument(
+        "--max-classes", type=_at_least(2), default=None, help="glyphs: keep only the first N characters"
     )
 
 
 def _run_prepare(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from dmltrain.data.conversion import prepare
     from dmltrain.data.datasets import SourceLayoutError
     from dmltrain.data.datasets.glyphs import DEFAULT_IMAGE_SIZE, DEFAULT_MIN_FACES
@@ -101,8 +123,8 @@ def _run_prepare(args: argparse.Namespace) -> int:
         options["split_dir"] = Path(args.split_dir) if args.split_dir else None
     if args.format == "glyphs":
         options["test_fraction"] = 0.5 if args.test_fraction is None else args.test_fraction
-        options["min_faces"] = args.min_faces or DEFAULT_MIN_FACES
-        options["image_size"] = args.image_size or DEFAULT_IMAGE_SIZE
+        options["min_faces"] = DEFAULT_MIN_FACES if args.min_faces is None else args.min_faces
+        options["image_size"] = DEFAULT_IMAGE_SIZE if args.image_size is None else args.image_size
         options["max_classes"] = args.max_classes
     try:
         info = prepare(
@@ -169,6 +191,13 @@ def _run_sweep(args: argparse.Namespace) -> int:
     from dmltrain.service.sweeps import load_sweep, run_sweep
 
     setup_logging()
+    summary = Path(args.summary) if args.summary else None
+    if summary is not None and (summary.is_dir() or not summary.absolute().parent.is_dir()):
+        # written after every trial has run: found now, not then (a traceback at the end)
+        folder = summary.absolute().parent
+        what = "is a folder" if summary.is_dir() else f"is in {folder}, which does not exist"
+        print(f"error: --summary {summary} {what}", file=sys.stderr)
+        return 2
     try:
         outcome = run_sweep(load_sweep(args.sweep, args.overrides, name=args.name))
     except (ConfigError, FatalRunError) as error:
@@ -178,9 +207,8 @@ def _run_sweep(args: argparse.Namespace) -> int:
         print("sweep stopped before its trials ran. The same command continues it.", file=sys.stderr)
         return 130
     print(outcome.summary)
-    if args.summary:
-        with open(args.summary, "w") as handle:
-            handle.write(outcome.summary)
+    if summary is not None:
+        summary.write_text(outcome.summary)
     where = f"MLflow parent run {outcome.parent_run_id} in {outcome.tracking_uri}"
     if outcome.unfinished:
         stopped = ", ".join(f"{label!r} ({status})" for label, status in outcome.unfinished.items())
@@ -225,7 +253,7 @@ def _register_evaluate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("data_root", help="directory or URL with dataset.json and shards")
     parser.add_argument("--batch-size", type=_positive_int, default=128)
     parser.add_argument(
-        "--max-images", type=_positive_int, default=None, help="cap per split for a quick look"
+        "--max-images", type=_at_least(2), default=None, help="cap per split for a quick look"
     )
     _add_decode_workers(parser)
     parser.add_argument(
@@ -402,8 +430,6 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     try:
         if args.save:
-            from pathlib import Path
-
             if Path(args.save).exists():
                 raise FileExistsError(f"{args.save} exists: give a new folder for the search model")
             meta = save_search_model(args.index, args.save, model=args.model, tracking_uri=args.tracking_uri)
@@ -432,8 +458,8 @@ def _register_verify(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("templates", help="template file, e.g. ijbc_face_tid_mid.txt")
     parser.add_argument("pairs", help="pair file, e.g. ijbc_template_pair_label.txt")
     parser.add_argument("--image-root", required=True, help="folder the template file's image paths are in")
-    parser.add_argument("--far", type=float, nargs="+", default=[1e-3, 1e-4], help="false accept rates")
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--far", type=_rate, nargs="+", default=[1e-3, 1e-4], help="false accept rates")
+    parser.add_argument("--batch-size", type=_positive_int, default=128)
     _add_tracking_uri(parser)
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dmltrain.service.config import (
     ConfigError,
@@ -64,6 +64,15 @@ class SweepSpec(_Strict):
     overrides: dict[str, Any] = Field(default_factory=dict, description="Dotted overrides for every trial.")
     variants: list[Variant] = Field(default_factory=list)
     grid: dict[str, list[Any]] = Field(default_factory=dict, description="Dotted key -> values (product).")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        """Tune's experiment folder under run.storage_path: a/b nested it, as run.name refuses."""
+        if value in (".", "..") or "/" in value or "\\" in value:
+            raise ValueError(f"must be a plain name (a folder under run.storage_path), got {value!r}")
+        return value
+
     baselines: list[Literal["pixels"]] = Field(
         default_factory=list, description="pixels: retrieval on raw normalised pixels, no network."
     )
@@ -205,11 +214,19 @@ def load_sweep(
             problems.append(f"  {key}: {e['msg'].removeprefix('Value error, ')}")
         raise ConfigError(f"invalid sweep file {source}:\n" + "\n".join(problems)) from None
     if name:
-        spec = spec.model_copy(update={"name": name})
+        try:
+            spec = SweepSpec.model_validate({**raw, "name": name})
+        except ValidationError as error:
+            problem = next((e for e in error.errors() if e["loc"] == ("name",)), None)
+            if problem is None:
+                raise
+            raise ConfigError(f"--name {name!r}: {problem['msg'].removeprefix('Value error, ')}") from None
     base_path = (source.parent / spec.base).resolve()
     base_raw = read_yaml_mapping(base_path, f"sweep file {source}: base config")
     trials = []
+    command_line = [(".".join(path), value) for path, value in map(parse_override, extra_overrides)]
     for label, overrides in expand(spec):
+        _check_command_line_keeps(spec, overrides, command_line)
         data = trial_config(base_raw, overrides, extra_overrides)
         _check_sweep_owned(spec, label, overrides, extra_overrides)
         data.setdefault("run", {})["name"] = run_name(spec.name, label)
@@ -227,6 +244,21 @@ def load_sweep(
             )
     _check_shared_settings(spec, trials)
     return Sweep(spec, source, base_raw, tuple(trials), tuple(extra_overrides))
+
+
+def _check_command_line_keeps(
+    spec: SweepSpec, overrides: Mapping[str, Any], command_line: Sequence[tuple[str, Any]]
+) -> None:
+    """A whole section on the command line (``data={root: ...}``) replaced the sweep file's keys in it
+    (``data.flip: false``) without a word, as one in the file's variants or grid would have (`expand`)."""
+    for key, value in overrides.items():
+        for section, given in command_line:
+            if isinstance(given, Mapping) and (key == section or key.startswith(section + ".")):
+                raise ConfigError(
+                    f"sweep {spec.name}: the command line's {section}=... replaces the whole section "
+                    f"{section}, which drops {key}={value!r} set by the sweep file; set the section's keys "
+                    f"one by one ({section}.<key>=...)"
+                )
 
 
 _UNSET = object()
