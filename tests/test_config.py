@@ -98,6 +98,12 @@ def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
         load_config(path, ["train.steps"])
     with pytest.raises(ConfigError, match="divisible"):
         load_config(path, ["train.global_batch_size=129", "scaling.num_workers=2"])
+    with pytest.raises(ConfigError) as tiny:  # it named neither key nor number
+        load_config(path, ["train.global_batch_size=2"])
+    assert (
+        "train.global_batch_size=2 over scaling.num_workers=1 is 2 images per worker, fewer than "
+        "sampler.samples_per_class=4" in str(tiny.value)
+    )
     profiled = load_config(path, ["train.profile_start=599", "train.profile_steps=2"])  # steps 599-600
     assert (profiled.train.profile_start, profiled.train.profile_steps) == (599, 2)
     with pytest.raises(

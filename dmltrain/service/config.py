@@ -513,7 +513,11 @@ class ExperimentConfig(_Section):
                 f"scaling.num_workers={workers}"
             )
         if self.train.global_batch_size // workers < self.sampler.samples_per_class:
-            raise ValueError("each worker's batch must hold at least sampler.samples_per_class images")
+            raise ValueError(
+                f"train.global_batch_size={self.train.global_batch_size} over scaling.num_workers={workers} "
+                f"is {self.train.global_batch_size // workers} images per worker, fewer than "
+                f"sampler.samples_per_class={self.sampler.samples_per_class}"
+            )
         if self.data.decode == "gpu" and self.scaling.use_gpu is False:
             raise ValueError(
                 "data.decode=gpu decodes on the training workers' GPUs, but scaling.use_gpu=false: "

@@ -406,5 +406,8 @@ def _check_best_metric_is_reported(config: ExperimentConfig, info: DatasetInfo, 
 
 
 def _one_line(error: BaseException) -> str:
-    text = str(error).strip().strip("'\"")
+    """The error's message on one line; KeyError's repr quotes are taken off (others' quotes are text)."""
+    text = str(error).strip()
+    if isinstance(error, KeyError) and len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]
     return " ".join(text.split())
