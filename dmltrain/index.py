@@ -415,9 +415,11 @@ def save_index(
 ) -> Path:
     """Write ``index.faiss`` (CPU form), ``ids.npz`` and ``index.json`` (spec, sizes, ``meta``).
 
-    Each file is renamed into place on its own, ``index.json`` last; it records a build id (also stored in
-    ``ids.npz``) and the size of ``index.faiss``, so that `load_index` refuses files of two builds (a
-    reader that started while this ran) instead of answering with another build's ids."""
+    Each file is renamed into place on its own: ``ids.npz``, then ``index.faiss``, then ``index.json``,
+    which records a build id (stored in ``ids.npz`` too) and the size of ``index.faiss``. `load_index`
+    reads them in the opposite order (json, faiss, ids), so a reader that ran beside a rebuild and took
+    ``index.faiss`` from the new build takes ``ids.npz`` from it too, and a json of the old build names
+    the other build id: files of two builds are refused, not answered with another build's ids."""
     faiss = _faiss()
     if len(ids) != index.ntotal:
         raise ValueError(f"the id map has {len(ids)} rows but the index holds {index.ntotal}")
@@ -429,8 +431,8 @@ def save_index(
         with open(path, "wb") as handle:  # a handle: given a name, np.savez would append ".npz"
             np.savez(handle, shard=ids.shard, key=ids.key, label=ids.label, build=np.array(build))
 
+    _replace_file(out / IDS_FILE, write_ids)  # this order: see the docstring
     _replace_file(out / INDEX_FILE, lambda path: faiss.write_index(index.index, path))
-    _replace_file(out / IDS_FILE, write_ids)
     record = {
         "format_version": FORMAT_VERSION,
         "build": build,

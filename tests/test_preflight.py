@@ -246,6 +246,9 @@ def test_best_metric_map_needs_the_exact_evaluation(glyphs_root: Path) -> None:
         "eval.index=auto",
         "eval.exact_max_gallery=10",
     )
+    # eval.max_images caps the gallery the evaluation embeds: 100 images are ranked exactly
+    capped = [f"data.root={glyphs_root}", "train.best_metric=eval/test/map", "eval.index=auto"]
+    check_data(_config(*capped, "eval.exact_max_gallery=200", "eval.max_images=100"), info)
     size = info.split("test").num_samples
     assert f"(its gallery of {size:,} images is past eval.exact_max_gallery=10)" in _one_line_error(
         check_data, large, info
@@ -314,8 +317,18 @@ def test_where_the_run_writes_is_checked_in_seconds(tmp_path: Path, monkeypatch:
         assert "a file store, which this MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true" in (
             _one_line_error(check_outputs, ok, path_store)
         )
+    from dmltrain.service.preflight import tracking_problem
+
+    assert tracking_problem("databricks") is None  # no scheme either, but not a file store
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "yes")  # MLflow reads true/false/1/0 only
+    assert tracking_problem("./mlruns").startswith("MLFLOW_ALLOW_FILE_STORE: ")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     check_outputs(ok, f"file://{tmp_path / 'mlruns'}")
+    for accepted in ("fsspec+memory://bucket/ray", "local:///tmp/ray", "hf://buckets/me/ray"):
+        check_outputs(_config(f"run.storage_path={accepted}"), "sqlite:///x.db")
+    assert "no file system for S3://" in _one_line_error(  # pyarrow's schemes are case-sensitive
+        check_outputs, _config("run.storage_path=S3://bucket/ray"), "sqlite:///x.db"
+    )
     assert _one_line_error(
         check_outputs, _config("run.storage_path=foo://bar/x"), "sqlite:///x.db"
     ).startswith(
@@ -365,3 +378,12 @@ def test_where_the_run_writes_is_checked_in_seconds(tmp_path: Path, monkeypatch:
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_the_glyphs_of_a_file_url_root_are_built_in_its_folder(
+    glyphs_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """data.root=file:///x with data.prepare=glyphs built (or looked for) the set in ./file:/x."""
+    monkeypatch.chdir(tmp_path)
+    info = load_data(_config(f"data.root=file://{glyphs_root}"))
+    assert info.name == "glyphs" and not (tmp_path / "file:").exists()

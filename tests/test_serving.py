@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import os
 import re
@@ -27,6 +28,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
+import dmltrain.index as index_module
 from dmltrain.data import EvalLoader, load_dataset_info, prepare
 from dmltrain.data.shards import read_shard
 from dmltrain.evaluation import retrieval_metrics
@@ -458,7 +460,7 @@ def test_approximate_metrics_report_recall_against_exact(kind: str) -> None:
     assert "map" not in approx  # full-ranking mAP needs every rank: only the exact path reports it
 
 
-def test_index_spec_choice_and_round_trip(tmp_path: Path) -> None:
+def test_index_spec_choice_and_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_spec(10_000, 128).kind == "flat"
     big = choose_spec(1_000_000, 128)
     assert (big.kind, big.nlist, big.nprobe, big.refine) == ("ivfpq", 1024, 128, 4) and 128 % big.m == 0
@@ -507,7 +509,35 @@ def test_index_spec_choice_and_round_trip(tmp_path: Path) -> None:
     # A rebuild over the same images (another model of the same width) renames its files in one by one: a
     # reader in between paired one build's vectors with the other's ids and model digest, silently.
     flat, again = tmp_path / "flat", tmp_path / "flat_again"
+    renamed: list[str] = []  # the order save_index renames its files in
+    real_replace = index_module._replace_file
+
+    def recording(path: Path, write) -> None:
+        renamed.append(path.name)
+        real_replace(path, write)
+
+    monkeypatch.setattr(index_module, "_replace_file", recording)
     save_index(again, build_index(x[::-1].copy(), "flat"), IdMap(np.zeros(len(x)), ["r"] * len(x), y), {})
+    monkeypatch.undo()
+    # Every read that overlaps the rebuild (load_index reads index.json, then index.faiss, then ids.npz; each
+    # file as the rebuild had left it by then) gives one build or a refusal. Renamed faiss-first, a reader
+    # could take the new vectors with the old ids: same size, same build id.
+    order = ["index.json", "index.faiss", "ids.npz"]
+    for seen in itertools.combinations_with_replacement(range(4), 3):  # files renamed when each is read
+        torn = tmp_path / "torn"
+        shutil.rmtree(torn, ignore_errors=True)
+        shutil.copytree(flat, torn)
+        for name, done in zip(order, seen, strict=True):
+            if name in renamed[:done]:
+                shutil.copy(again / name, torn / name)
+        try:
+            loaded = load_index(torn)
+        except ValueError as refused:
+            assert "files of two builds" in str(refused)
+            continue
+        rebuilt_ids = {str(k) for k in loaded.ids.key[:3]} == {"r"}
+        rebuilt_vectors = np.allclose(loaded.index.index.reconstruct(0), x[-1])
+        assert rebuilt_ids == rebuilt_vectors, (seen, rebuilt_ids, rebuilt_vectors)
     for name in ("ids.npz", "index.json"):
         mixed = tmp_path / f"mixed_{name}"
         shutil.copytree(flat, mixed)

@@ -74,9 +74,10 @@ def load_data(config: ExperimentConfig) -> DatasetInfo:
     """Build the embedded data set if asked, then read ``dataset.json``; a missing root is one line."""
     try:
         if config.data.prepare == "glyphs":
-            if not (Path(config.data.root) / METADATA_NAME).is_file():
-                log.info("data.prepare=glyphs: building the glyph set in %s (first use)", config.data.root)
-            ensure_glyphs(config.data.root, progress=True)
+            folder = local_path(config.data.root)  # file:///x is /x (it built into ./file:/x)
+            if not (Path(folder) / METADATA_NAME).is_file():
+                log.info("data.prepare=glyphs: building the glyph set in %s (first use)", folder)
+            ensure_glyphs(folder, progress=True)
         return load_dataset_info(config.data.root)
     except (FileNotFoundError, ValueError, OSError) as error:
         raise ConfigError(f"data.root={config.data.root}: {_one_line(error)}") from None
@@ -243,9 +244,12 @@ def shared_memory_config_problem(
     return shared_memory_problem(*shared_memory_config_need(config, info, decode, ranks))
 
 
-# The URI schemes pyarrow.fs.FileSystem.from_uri (Ray Train's storage) resolves: listed, since resolving an
-# s3:// URI itself asks the network for the bucket's region.
-_STORAGE_SCHEMES = frozenset({"file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss"})
+# The URI schemes pyarrow.fs.FileSystem.from_uri (Ray Train's storage) resolves, as it spells them (it is
+# case-sensitive), plus any fsspec+<protocol>://: listed, since resolving an s3:// URI itself asks the
+# network for the bucket's region.
+_STORAGE_SCHEMES = frozenset(
+    {"file", "local", "mock", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "hf"}
+)
 
 
 def check_outputs(config: ExperimentConfig, tracking_uri: str, timeout_s: float = 5.0) -> None:
@@ -265,11 +269,13 @@ def check_outputs(config: ExperimentConfig, tracking_uri: str, timeout_s: float 
         if problem:
             problems.append(f"run.storage_path={storage}: {problem}")
     else:
-        scheme = urlsplit(storage).scheme.lower()
-        if scheme not in _STORAGE_SCHEMES:  # Ray's controller died on it, after an MLflow run was created
+        # Ray's controller died on another scheme, after an MLflow run had been created
+        scheme = storage.split("://", 1)[0]
+        if scheme not in _STORAGE_SCHEMES and not scheme.startswith("fsspec+"):
             problems.append(
                 f"run.storage_path={storage}: Ray stores checkpoints through pyarrow, which has no file "
-                f"system for {scheme}:// (it has {', '.join(f'{s}://' for s in sorted(_STORAGE_SCHEMES))})"
+                f"system for {scheme}:// (it has {', '.join(f'{s}://' for s in sorted(_STORAGE_SCHEMES))} "
+                "and fsspec+<protocol>://, in lower case)"
             )
     if problems:
         raise ConfigError("\n".join(problems))
@@ -306,14 +312,21 @@ def tracking_problem(uri: str, timeout_s: float = 5.0) -> str | None:
 def _refused_file_store(uri: str) -> str | None:
     """A path or file: URI names MLflow's file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE
     is set: the driver failed with a 42-line traceback when it first looked the run up."""
-    if urlsplit(uri).scheme.lower() not in ("", "file"):
-        return None
     try:
         from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
     except ImportError:  # an MLflow from before the file store's maintenance mode takes it
         return None
-    if MLFLOW_ALLOW_FILE_STORE.get():
+    try:  # the store MLflow itself picks: "databricks" has no scheme either
+        if registry.get_store_builder(uri) is not registry.get_store_builder("file:///mlruns"):
+            return None
+    except Exception:  # a URI no store takes is _unknown_store_scheme's to report
         return None
+    try:
+        if MLFLOW_ALLOW_FILE_STORE.get():
+            return None
+    except ValueError as error:  # MLflow reads only true/false/1/0
+        return f"MLFLOW_ALLOW_FILE_STORE: {error}"
     return (
         "a file store, which this MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true: use "
         "sqlite:///<folder>/mlflow.db, a tracking server, or set that variable"
@@ -391,6 +404,8 @@ def _check_best_metric_is_reported(config: ExperimentConfig, info: DatasetInfo, 
         if best != f"eval/{evaluation.name}/map":
             continue
         gallery = info.split(evaluation.gallery or evaluation.query).num_samples
+        if config.eval.max_images is not None:  # the evaluation embeds at most this many per split
+            gallery = min(gallery, config.eval.max_images)
         kind = index_kind(config, gallery)
         if kind != "exact":
             why = (
