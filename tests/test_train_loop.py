@@ -417,6 +417,45 @@ def test_out_of_gpu_memory_names_the_setting_that_bounds_it() -> None:
     assert str(fatal).startswith("rank 3 step 7: DeviceMemoryError: CUDA out of memory.") and fatal.explained
 
 
+def test_a_set_up_out_of_gpu_memory_waits_then_ends_the_run_in_one_line() -> None:
+    """Ray Train retried a set-up that ran out of GPU memory into the same failure; but just after a restart
+    a process of the previous attempt may still hold the GPU. So: wait and try again, then one line."""
+    from dmltrain.service.errors import FatalRunError
+    from dmltrain.service.train import set_up_with_memory_waits
+
+    config = load_config(REPO / "configs" / "sop_smoothap_b16k.yaml", ["model.weights=null"])
+    full = torch.cuda.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 98.00 MiB. GPU 0 has a total capacity of 79.19 GiB of which "
+        "12.50 MiB is free. Including non-PyTorch memory, this process has 1.2 GiB memory in use."
+    )
+    calls: list[int] = []
+
+    def busy_once() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise full
+        return "the loop"
+
+    assert set_up_with_memory_waits(busy_once, config, 0, waits_s=(0.01,)) == "the loop"  # type: ignore[arg-type]
+    assert len(calls) == 2
+
+    def always() -> None:
+        calls.append(1)
+        raise full
+
+    calls.clear()
+    with pytest.raises(FatalRunError) as ended:
+        set_up_with_memory_waits(always, config, 3, waits_s=(0.01, 0.01))  # type: ignore[arg-type]
+    assert len(calls) == 3 and ended.value.explained
+    assert str(ended.value).startswith(
+        "rank 3 setup: DeviceMemoryError: CUDA out of memory. Tried to allocate 98.00 MiB. GPU 0 has a "
+        "total capacity of 79.19 GiB of which 12.50 MiB is free (setting up model.backbone=resnet50 before "
+        "the first step)"
+    )
+    with pytest.raises(FatalRunError, match=r"^rank 0 setup: KeyError"):  # a set-up error: at once
+        set_up_with_memory_waits(lambda: {}["x"], config, 0, waits_s=(60,))  # type: ignore[arg-type]
+
+
 def test_model_randomness_is_per_rank_and_replayed_by_a_resume(glyphs_root: Path, tmp_path: Path) -> None:
     """efficientnet_b0's stochastic depth draws from torch's generator inside the network. Seeded once at
     start-up, a resumed run drew the masks of steps 1-2 again at steps 3-4 (its weights left the

@@ -7,6 +7,7 @@ group restarts from the last one. Nothing here depends on Ray beyond the small `
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -14,7 +15,7 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -87,6 +88,7 @@ class DeviceMemoryError(RuntimeError):
     a restart, so Ray Train's retries would only repeat it (and end in a traceback)."""
 
 
+_SETUP_MEMORY_WAITS_S = (10, 30)  # before each new try of a set-up that ran out of GPU memory
 _MODEL_RANDOMNESS = 0x6D6F64  # "mod": keeps these seeds apart from the loader's (seed, consumer, step)
 
 
@@ -923,6 +925,37 @@ class _RayContext:
         return ray.train.Checkpoint(uri)
 
 
+def set_up_with_memory_waits(
+    make: Callable[[], WorkerLoop],
+    config: ExperimentConfig,
+    rank: int,
+    waits_s: Sequence[float] = _SETUP_MEMORY_WAITS_S,
+) -> WorkerLoop:
+    """``make()`` the worker's loop; errors no restart can fix become FatalRunError (dmltrain.service.errors).
+
+    Out of GPU memory, it waits and tries again (``waits_s``): a process of the previous attempt may still
+    hold the GPU for a moment after a restart. Still short after that, the same weights fail the same way on
+    every restart, so the run ends with one line."""
+    for attempt in range(len(waits_s) + 1):
+        try:
+            return make()
+        except FATAL_IN_SETUP as exc:
+            # A node short of shared memory is the whole story; a config error here (the driver checks them
+            # all first) keeps its traceback.
+            explained = isinstance(exc, SharedMemoryError)
+            raise as_fatal(exc, rank, "setup", explained=explained) from exc
+        except torch.cuda.OutOfMemoryError as exc:
+            if attempt == len(waits_s):
+                error = device_memory_error(exc, config, evaluating=False, setting_up=True)
+                raise as_fatal(error, rank, "setup", explained=True) from exc
+        # Out of the except block, so that the error's frames (and the half-built model) can be freed.
+        log.warning("rank %d: out of GPU memory setting up; trying again in %g s", rank, waits_s[attempt])
+        gc.collect()
+        torch.cuda.empty_cache()
+        time.sleep(waits_s[attempt])
+    raise AssertionError("unreachable")
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Entry point Ray Train runs on every worker (see dmltrain.service.run.launch)."""
     import ray.train
@@ -942,16 +975,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # lost mid-collective, propagates as is and Ray restarts the group from the last checkpoint.
     if not loop_config.get("full_tracebacks", False):
         shorten_explained_errors(WORKER_LOGGERS)
-    try:
-        loop = WorkerLoop(config, loop_config["mlflow_run_id"], loop_config["tracking_uri"], ray_ctx)
-    except FATAL_IN_SETUP as exc:
-        # A node short of shared memory is the whole story; a config error here (the driver checks them
-        # all first) keeps its traceback.
-        explained = isinstance(exc, SharedMemoryError)
-        raise as_fatal(exc, ray_ctx.rank, "setup", explained=explained) from exc
-    except torch.cuda.OutOfMemoryError as exc:  # the same weights fail the same way after a restart
-        error = device_memory_error(exc, config, evaluating=False, setting_up=True)
-        raise as_fatal(error, ray_ctx.rank, "setup", explained=True) from exc
+    loop = set_up_with_memory_waits(
+        lambda: WorkerLoop(config, loop_config["mlflow_run_id"], loop_config["tracking_uri"], ray_ctx),
+        config,
+        ray_ctx.rank,
+    )
     try:
         loop.run()
     except (*FATAL_IN_LOOP, NonFiniteLossError) as exc:
