@@ -331,7 +331,9 @@ def test_plan_is_the_same_in_every_process(categories: Path) -> None:
             assert sum(n for q in quotas[2 * r : 2 * r + 2] for _, n in q) == 12
 
 
-def _pool_batcher(root: Path, spec: SamplerSpec, part: int) -> PoolBatcher:
+def _pool_batcher(
+    root: Path, spec: SamplerSpec, part: int, turns: dict[int, tuple[int, int, int]] | None = None
+) -> PoolBatcher:
     """This process's one consumer's pool batcher, built as the loader builds it, without decoding."""
     info = load_dataset_info(root)
     plan = TrainPlan(info, "train", spec, part, 1, 1)
@@ -339,8 +341,21 @@ def _pool_batcher(root: Path, spec: SamplerSpec, part: int) -> PoolBatcher:
     urls = info.shard_urls(root, "train")
     stream = GroupStream(urls, held.shards, spec.seed, 0, plan.shard_samples, None, plan.shard_classes)
     return PoolBatcher(
-        stream, plan.parts[0], spec, 1, "worker 0", held.classes, held.images, plan.capacity[0]
+        stream, plan.parts[0], spec, 1, "worker 0", held.classes, held.images, plan.capacity[0], turns
     )
+
+
+def test_a_part_takes_another_holder_s_turn_only_for_what_it_lacks(tmp_path: Path) -> None:
+    """Short of classes on its turn, a part refilled from all classes in random order: of 200 such parts
+    that needed one class off its turn, 196 took two to four (each may then be in the batch twice)."""
+    root = synthetic(tmp_path / "pairs", [(f"c{i}", 2, None) for i in range(10)], shard_size=100)
+    off_turn = {c: (1, 2, 0) for c in range(7)}  # at even steps another holder's: 3 classes, 6 images left
+    for seed in range(20):
+        spec = SamplerSpec(name="pk", samples_per_class=2, seed=seed)
+        batcher = _pool_batcher(root, spec, 8, off_turn)
+        batch = batcher.next_batch(0)
+        assert len(batch) == 8 and {s.cls for s in batch} >= {7, 8, 9}
+        assert batcher.counters["off_turn_classes"] == 1
 
 
 def test_pk_pieces_of_a_class_change_from_pass_to_pass(tmp_path: Path) -> None:
@@ -375,6 +390,22 @@ def test_pk_pool_stays_bounded_when_one_class_is_most_of_the_data(tmp_path: Path
     # past the limit: groups of classes the pool lacks, and a pass read when a part comes up short
     assert largest <= 2 * batcher.most_images  # 183 of 128 measured; about 4,000 by step 600 before
     assert batcher.counters["pool_overflow_images"] > 0
+
+
+def test_pk_pool_stays_bounded_when_parts_come_up_short(tmp_path: Path) -> None:
+    """Small classes of 2-7 images cut at K=4 often do not add up to a part; each short part read a pass
+    with no bound, and one common class's pieces piled up again (20,253 images held at step 800 here, the
+    worker holding 520). A pass of steps takes at most one piece of a class a step: more are not kept."""
+    sizes = [444, 5, 2, 2, 4, 5, 3, 3, 2, 7, 5, 3, 6, 7, 3, 7, 6, 6]
+    classes = [(f"c{i:02d}", n, None) for i, n in enumerate(sizes)]
+    root = synthetic(tmp_path / "short", classes, shard_size=180, group_size=28)
+    batcher = _pool_batcher(root, SamplerSpec(name="pk", samples_per_class=4, pool_images=16, seed=0), 8)
+    largest = 0
+    for step in range(800):
+        batch = batcher.next_batch(step)
+        assert len(batch) == 8 and max(Counter(s.cls for s in batch).values()) <= 4
+        largest = max(largest, batcher.size)
+    assert largest <= batcher.pass_images  # 351 measured: within one pass of this worker's data
 
 
 def test_pk_part_near_the_plans_capacity_takes_each_class_s_largest_piece(tmp_path: Path) -> None:

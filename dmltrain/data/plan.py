@@ -361,7 +361,13 @@ class TrainPlan:
         ]
         self.parts = [p for s in ranks for p in apportion(b, expected[s], self.capacity[s], unit)]
         self._plan_turns()  # again, among the consumers that fill a part: a turn of one without is lost
-        served = {c for h, part in zip(self.holdings, self.parts, strict=True) if part for c in h.runs}
+        served = {
+            c
+            for h, part in zip(self.holdings, self.parts, strict=True)
+            if part
+            for c, n in h.runs.items()
+            if n >= 2
+        }
         unserved = {c for h in self.holdings for c, n in h.runs.items() if n >= 2 and c not in served}
         if unserved:
             warnings.warn(

@@ -17,6 +17,7 @@ batcher's `state_dict` names buffered samples by (shard, member), small enough t
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -195,9 +196,16 @@ class PoolBatcher(Batcher):
         # Past this the pool takes only classes it lacks (see _ingest): twice what the pool or the classes
         # it wants hold, so that balanced data never reaches it.
         self.most_images = 2 * max(self.pool_images, math.ceil(self.want_classes * max(2.0, mean_piece)))
+        self.steps_per_pass = max(2, math.ceil(self.pass_images / max(1, part)))
 
     def _ingest(self, group: Group, *, short: bool = False) -> int:
         samples = group.samples
+        if short and self.pool_classes[group.cls] >= self.steps_per_pass and self._has_piece_as_large(group):
+            # A part came up short and a pass is read for pieces that add up: more pieces of a class than a
+            # pass of steps can take (one a step), none larger than it has, only piled up (391,000 images
+            # held for 5,181).
+            self.counters["pool_overflow_images"] += len(samples)
+            return len(samples)
         if self.size >= self.most_images and group.cls in self.pool_classes and not short:
             # Read past a full pool for the classes it lacks, more pieces of a class it has piled up (a part
             # takes one piece per class) without bound on data where one class is common (a class of 3,000
@@ -213,6 +221,11 @@ class PoolBatcher(Batcher):
             self.size += len(piece)
             self.pool_classes[piece[0].cls] += 1
         return len(group.samples)
+
+    def _has_piece_as_large(self, group: Group) -> bool:
+        """Whether the pool holds a piece of the group's class as large as the largest the group gives."""
+        largest = largest_piece(len(group.samples), self.k)
+        return any(len(piece) >= largest for piece in self.pool if piece[0].cls == group.cls)
 
     def _fill(self) -> None:
         read = 0
@@ -251,7 +264,7 @@ class PoolBatcher(Batcher):
         }
         for allowed in (blocked, set()) if blocked else (blocked,):
             for pieces in (_first_piece_per_class, _largest_piece_per_class):
-                picked = self._pick(pieces, order, allowed)
+                picked = self._pick(pieces, order, allowed, last=blocked - allowed)
                 if picked is not None:
                     fill, cut = picked
                     if not allowed and blocked:
@@ -265,12 +278,15 @@ class PoolBatcher(Batcher):
         pieces: Callable[[list[list[Sample]], np.ndarray], Iterator[Item]],
         order: np.ndarray,
         blocked: set[int],
+        last: set[int],
     ) -> tuple[Fill, tuple[int, int] | None] | None:
         """The pieces (and the one cut to fit) that fill the part, offered by ``pieces`` in ``order``,
-        leaving out the classes in ``blocked``."""
+        leaving out the classes in ``blocked`` and offering those in ``last`` after all others (another
+        consumer's turn: only what the part cannot do without)."""
 
         def offer() -> Iterator[Item]:  # lazy: a full part rarely scans the whole pool
-            return (item for item in pieces(self.pool, order) if item[1] not in blocked)
+            first = (it for it in pieces(self.pool, order) if it[1] not in blocked and it[1] not in last)
+            return itertools.chain(first, (it for it in pieces(self.pool, order) if it[1] in last))
 
         items = offer()
         fill = Fill(self.batch_size)
