@@ -375,6 +375,16 @@ def test_pk_pieces_of_a_class_change_from_pass_to_pass(tmp_path: Path) -> None:
     assert len(pairs) == 20 and min(len(p) for p in pairs.values()) >= 20  # of 28; 12 with fixed pieces
 
 
+def _largest_pool(batcher: PoolBatcher, steps: int) -> int:
+    """The most images ``batcher`` held over ``steps`` parts of 8 (each checked: 8 images, K=4 a class)."""
+    largest = 0
+    for step in range(steps):
+        batch = batcher.next_batch(step)
+        assert len(batch) == 8 and max(Counter(s.cls for s in batch).values()) <= 4
+        largest = max(largest, batcher.size)
+    return largest
+
+
 def test_pk_pool_stays_bounded_when_one_class_is_most_of_the_data(tmp_path: Path) -> None:
     """Reading past a full pool for the classes a part lacks kept every piece of the classes it had: one
     class of 200 among 20 of 4 grew a pool of 64 images to 13,757 by step 2,000 (a part takes one piece
@@ -382,11 +392,7 @@ def test_pk_pool_stays_bounded_when_one_class_is_most_of_the_data(tmp_path: Path
     classes = [("big", 200, None)] + [(f"s{i:02d}", 4, None) for i in range(20)]
     root = synthetic(tmp_path / "skewed", classes, shard_size=10_000, group_size=32)
     batcher = _pool_batcher(root, SamplerSpec(name="pk", samples_per_class=4, pool_images=64, seed=0), 8)
-    largest = 0
-    for step in range(600):
-        batch = batcher.next_batch(step)
-        assert len(batch) == 8 and max(Counter(s.cls for s in batch).values()) <= 4
-        largest = max(largest, batcher.size)
+    largest = _largest_pool(batcher, 600)
     # past the limit: groups of classes the pool lacks, and a pass read when a part comes up short
     assert largest <= 2 * batcher.most_images  # 183 of 128 measured; about 4,000 by step 600 before
     assert batcher.counters["pool_overflow_images"] > 0
@@ -400,11 +406,7 @@ def test_pk_pool_stays_bounded_when_parts_come_up_short(tmp_path: Path) -> None:
     classes = [(f"c{i:02d}", n, None) for i, n in enumerate(sizes)]
     root = synthetic(tmp_path / "short", classes, shard_size=180, group_size=28)
     batcher = _pool_batcher(root, SamplerSpec(name="pk", samples_per_class=4, pool_images=16, seed=0), 8)
-    largest = 0
-    for step in range(800):
-        batch = batcher.next_batch(step)
-        assert len(batch) == 8 and max(Counter(s.cls for s in batch).values()) <= 4
-        largest = max(largest, batcher.size)
+    largest = _largest_pool(batcher, 800)
     assert largest <= batcher.pass_images  # 351 measured: within one pass of this worker's data
 
 
