@@ -17,43 +17,28 @@ Register = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _integer(low: int, high: int | None = None, what: str | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high]; ``what`` it must be, for the message."""
+    what = what or f"an integer of at least {low}"
 
-
-def _at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``low``."""
-
-    def parse(text: str) -> int:
+    def integer(text: str) -> int:  # argparse names the type in "invalid integer value: 'x'"
         value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer of at least {low}, got {value}")
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
         return value
 
-    return parse
+    return integer
+
+
+_positive_int = _integer(1, what="a positive integer")
+_non_negative_int = _integer(0, what="0 or more")
+_port = _integer(1, 65535, "a TCP port, 1 to 65535")
 
 
 def _rate(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:  # NaN fails too
         raise argparse.ArgumentTypeError(f"must be a rate in [0, 1], got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 
@@ -101,13 +86,13 @@ def _register_prepare(parser: argparse.ArgumentParser) -> None:
         "--split-dir", default=None, help="inaturalist: folder with the Smooth-AP split files"
     )
     parser.add_argument(
-        "--min-faces", type=_at_least(2), default=None, help="glyphs: faces a character needs (12)"
+        "--min-faces", type=_integer(2), default=None, help="glyphs: faces a character needs (12)"
     )
     parser.add_argument(
-        "--image-size", type=_at_least(8), default=None, help="glyphs: image side in pixels (64)"
+        "--image-size", type=_integer(8), default=None, help="glyphs: image side in pixels (64)"
     )
     parser.add_argument(
-        "--max-classes", type=_at_least(2), default=None, help="glyphs: keep only the first N characters"
+        "--max-classes", type=_integer(2), default=None, help="glyphs: keep only the first N characters"
     )
 
 
@@ -252,9 +237,7 @@ def _register_evaluate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help=_MODEL_HELP)
     parser.add_argument("data_root", help="directory or URL with dataset.json and shards")
     parser.add_argument("--batch-size", type=_positive_int, default=128)
-    parser.add_argument(
-        "--max-images", type=_at_least(2), default=None, help="cap per split for a quick look"
-    )
+    parser.add_argument("--max-images", type=_integer(2), default=None, help="cap per split for a quick look")
     _add_decode_workers(parser)
     parser.add_argument(
         "--index",
