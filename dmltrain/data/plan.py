@@ -204,6 +204,17 @@ class Holding:
         return sum(1 for n in self.runs.values() if n >= 2)
 
 
+def _class_holders(holdings: list[Holding], counted: list[bool]) -> dict[int, list[int]]:
+    """class -> the consumers (of those ``counted``) that hold 2+ images of it in one shard, in order."""
+    holders: dict[int, list[int]] = {}
+    for consumer, held in enumerate(holdings):
+        if counted[consumer]:
+            for cls, n in held.runs.items():
+                if n >= 2:
+                    holders.setdefault(cls, []).append(consumer)
+    return holders
+
+
 def _holding(info: DatasetInfo, shards: list[ShardInfo], ids: list[int]) -> Holding:
     held = Holding(ids)
     for i in ids:
@@ -333,7 +344,7 @@ class TrainPlan:
                 f"classes per batch, but {self.where} has {train_classes} train classes (of 2+ images)"
             )
         self.capacity = [sum(largest_piece(n, k) for n in h.runs.values()) for h in self.holdings]
-        self._plan_turns()
+        held_by = _class_holders(self.holdings, [True] * len(self.holdings))
         ranks = [self._rank_slice(r) for r in range(self.world_size)]
         rank_caps = [sum(self.capacity[s]) for s in ranks]
         for r, cap in enumerate(rank_caps):
@@ -354,21 +365,15 @@ class TrainPlan:
         # Weighted by what a consumer gives on its turns (a shared class counts 1/holders), capped by all.
         expected = [
             round(
-                _WEIGHT_SCALE
-                * sum(largest_piece(n, k) / len(self.holders.get(c, (0,))) for c, n in h.runs.items())
+                _WEIGHT_SCALE * sum(largest_piece(n, k) / len(held_by.get(c, [0])) for c, n in h.runs.items())
             )
             for h in self.holdings
         ]
         self.parts = [p for s in ranks for p in apportion(b, expected[s], self.capacity[s], unit)]
-        self._plan_turns()  # again, among the consumers that fill a part: a turn of one without is lost
-        served = {
-            c
-            for h, part in zip(self.holdings, self.parts, strict=True)
-            if part
-            for c, n in h.runs.items()
-            if n >= 2
-        }
-        unserved = {c for h in self.holdings for c, n in h.runs.items() if n >= 2 and c not in served}
+        # Turns among the consumers that fill a part: a turn of one without would be lost.
+        served = _class_holders(self.holdings, [part > 0 for part in self.parts])
+        self._plan_turns(served)
+        unserved = held_by.keys() - served.keys()
         if unserved:
             warnings.warn(
                 f"split {self.split!r}: {len(unserved)} train classes are held only by loader workers whose "
@@ -377,18 +382,11 @@ class TrainPlan:
                 stacklevel=4,
             )
 
-    def _plan_turns(self) -> None:
-        """The consumers holding each class of 2+ images that more than one consumer holds: a class larger
-        than `prepare`'s group size is dealt over several shards, and each holder filling its part from its
-        own classes put such a class into one global batch twice or more (CUB at K=3 on 2 x 4 consumers:
-        35 of 50 batches). In a step only the holder on turn (`on_turn`) offers it."""
-        holders: dict[int, list[int]] = {}
-        for consumer, held in enumerate(self.holdings):
-            if self.parts is not None and not self.parts[consumer]:
-                continue
-            for cls, n in held.runs.items():
-                if n >= 2:
-                    holders.setdefault(cls, []).append(consumer)
+    def _plan_turns(self, holders: dict[int, list[int]]) -> None:
+        """The consumers of each class that more than one of them holds (``holders``: `_class_holders`): a
+        class larger than `prepare`'s group size is dealt over several shards, and each holder filling its
+        part from its own classes put such a class into one global batch twice or more (CUB at K=3 on 2 x 4
+        consumers: 35 of 50 batches). In a step only the holder on turn (`on_turn`) offers it."""
         self.holders = {cls: tuple(found) for cls, found in holders.items() if len(found) > 1}
         # Classes of the same holders take turns in a cycle (offsets 0, 1, 2, ...): in every step each of
         # those holders offers an equal share of them, give or take one.
