@@ -200,16 +200,17 @@ class PoolBatcher(Batcher):
 
     def _ingest(self, group: Group, *, short: bool = False) -> int:
         samples = group.samples
-        if short and self.pool_classes[group.cls] >= self.steps_per_pass and self._has_piece_as_large(group):
+        if short:
             # A part came up short and a pass is read for pieces that add up: more pieces of a class than a
             # pass of steps can take (one a step), none larger than it has, only piled up (391,000 images
             # held for 5,181).
-            self.counters["pool_overflow_images"] += len(samples)
-            return len(samples)
-        if self.size >= self.most_images and group.cls in self.pool_classes and not short:
+            surplus = self.pool_classes[group.cls] >= self.steps_per_pass and self._has_piece_as_large(group)
+        else:
             # Read past a full pool for the classes it lacks, more pieces of a class it has piled up (a part
             # takes one piece per class) without bound on data where one class is common (a class of 3,000
-            # among 20 of 4: 290,000 images held at step 2,000). They come round again next pass.
+            # among 20 of 4: 290,000 images held at step 2,000).
+            surplus = self.size >= self.most_images and group.cls in self.pool_classes
+        if surplus:  # its images come round again next pass
             self.counters["pool_overflow_images"] += len(samples)
             return len(samples)
         if self.k is not None and len(samples) > self.k:
