@@ -135,22 +135,29 @@ def _failing_backend(gm, example_inputs):
     raise RuntimeError("no compiler on this platform")
 
 
-def test_compile_failure_falls_back_to_eager_with_one_warning() -> None:
-    images, labels = make_batch(12, seed=7)
+def _steps_with_backend(backend, batch: int, seed: int, chunk: int, steps: int = 1) -> list[str]:
+    """``steps`` engine steps of a model compiled with ``backend``: it must have fallen back to eager with
+    the eager gradient; the warnings' messages."""
+    images, labels = make_batch(batch, seed=seed)
     loss_fn = SmoothAPLoss()
-    model = make_model(seed=8)
+    model = make_model(seed=seed + 1)
     _, want = reference_step(frozen_bn(model), loss_fn, images, labels)
-    compile_network(model, backend=_failing_backend)
+    compile_network(model, backend=backend)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(2):
+        for _ in range(steps):
             model.zero_grad(set_to_none=True)
-            global_batch_step(model, images, labels, loss_fn, 5, preprocess=preprocess)
-    compile_warnings = [w for w in caught if "torch.compile failed" in str(w.message)]
-    assert len(compile_warnings) == 1, [str(w.message) for w in caught]
-    assert "no compiler on this platform" in str(compile_warnings[0].message)
+            global_batch_step(model, images, labels, loss_fn, chunk, preprocess=preprocess)
     assert compile_state(model) == "eager"
     assert_grads_close(grads_of(model), want, 1e-10)
+    return [str(w.message) for w in caught]
+
+
+def test_compile_failure_falls_back_to_eager_with_one_warning() -> None:
+    messages = _steps_with_backend(_failing_backend, 12, seed=7, chunk=5, steps=2)
+    compile_warnings = [m for m in messages if "torch.compile failed" in m]
+    assert len(compile_warnings) == 1, messages
+    assert "no compiler on this platform" in compile_warnings[0]
 
 
 def _bad_backward_backend(gm, example_inputs):
@@ -169,17 +176,8 @@ def _bad_backward_backend(gm, example_inputs):
 
 @pytest.mark.parametrize("chunk", [7, 64])
 def test_a_backward_that_does_not_compile_falls_back_to_eager(chunk: int) -> None:
-    images, labels = make_batch(18, seed=5)
-    loss_fn = SmoothAPLoss()
-    model = make_model(seed=6)
-    _, want = reference_step(frozen_bn(model), loss_fn, images, labels)
-    compile_network(model, backend=_bad_backward_backend)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        global_batch_step(model, images, labels, loss_fn, chunk, preprocess=preprocess)
-    assert any("no kernel for this backward" in str(w.message) for w in caught)
-    assert compile_state(model) == "eager"
-    assert_grads_close(grads_of(model), want, 1e-10)
+    messages = _steps_with_backend(_bad_backward_backend, 18, seed=5, chunk=chunk)
+    assert any("no kernel for this backward" in m for m in messages)
 
 
 def test_a_fallback_within_a_step_runs_the_step_again_eagerly() -> None:
