@@ -285,7 +285,7 @@ def tracking_problem(uri: str, timeout_s: float = 5.0) -> str | None:
     """Why the MLflow store at ``uri`` cannot be used, or None: a scheme MLflow has no store for, a sqlite
     file whose folder cannot be written, or a server (http, a database) that refuses or does not answer a
     connection."""
-    unknown = _unknown_store_scheme(uri) or _refused_file_store(uri)
+    unknown = _store_problem(uri)
     if unknown:
         return unknown
     store = sqlite_store_path(uri)
@@ -309,18 +309,23 @@ def tracking_problem(uri: str, timeout_s: float = 5.0) -> str | None:
     return _mlflow_server_problem(uri, timeout_s) if scheme in ("http", "https") else None
 
 
-def _refused_file_store(uri: str) -> str | None:
-    """A path or file: URI names MLflow's file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE
-    is set: the driver failed with a 42-line traceback when it first looked the run up."""
+def _store_problem(uri: str) -> str | None:
+    """Why MLflow would refuse the tracking store at ``uri`` on first use, or None. A scheme no store (its
+    own or a plugin's) takes failed with a traceback about its model registry, and a path or file: URI
+    names the file store MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE is set (42 lines of traceback),
+    both when the driver first looked the run up."""
     try:
         from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
         from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
-    except ImportError:  # an MLflow from before the file store's maintenance mode takes it
+    except ImportError:  # another MLflow layout: its own error will have to say it
         return None
-    try:  # the store MLflow itself picks: "databricks" has no scheme either
-        if registry.get_store_builder(uri) is not registry.get_store_builder("file:///mlruns"):
-            return None
-    except Exception:  # a URI no store takes is _unknown_store_scheme's to report
+    try:
+        builder = registry.get_store_builder(uri)
+    except Exception:
+        known = ", ".join(sorted(f"{scheme}:" for scheme in getattr(registry, "_registry", {}) if scheme))
+        scheme = urlsplit(uri).scheme
+        return f"MLflow has no tracking store for {scheme}: URIs (it has {known}, and paths)"
+    if builder is not registry.get_store_builder("file:///mlruns"):  # "databricks" has no scheme either
         return None
     try:
         if MLFLOW_ALLOW_FILE_STORE.get():
@@ -331,22 +336,6 @@ def _refused_file_store(uri: str) -> str | None:
         "a file store, which this MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true: use "
         "sqlite:///<folder>/mlflow.db, a tracking server, or set that variable"
     )
-
-
-def _unknown_store_scheme(uri: str) -> str | None:
-    """A URI whose scheme no tracking store (MLflow's own or a plugin's) takes: MLflow itself failed on
-    it with a traceback about its model registry when the driver first looked the run up."""
-    try:
-        from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
-    except ImportError:  # another MLflow layout: its own error will have to say it
-        return None
-    try:
-        registry.get_store_builder(uri)
-    except Exception:
-        known = ", ".join(sorted(f"{scheme}:" for scheme in getattr(registry, "_registry", {}) if scheme))
-        scheme = urlsplit(uri).scheme
-        return f"MLflow has no tracking store for {scheme}: URIs (it has {known}, and paths)"
-    return None
 
 
 def _mlflow_server_problem(uri: str, timeout_s: float) -> str | None:
