@@ -137,8 +137,7 @@ def placement_shortfall(config: ExperimentConfig, view: ClusterView) -> str | No
     if not view.attached or not view.nodes:
         return None
     scaling = config.scaling
-    cluster_gpus = sum(node.gpus for node in view.nodes)
-    gpu = scaling.use_gpu is True or (scaling.use_gpu == "auto" and cluster_gpus >= 1)
+    gpu = _gpu_workers(scaling.use_gpu, view.gpus)
     per_cpu = scaling.cpus_per_worker
 
     def fits(node: NodeInfo) -> int:
@@ -200,7 +199,7 @@ def local_capacity_problem(
             f"single-node Ray cluster of this run has {gpus:g}: set scaling.use_gpu=auto (CPU where there "
             "is no GPU) or false"
         )
-    if scaling.use_gpu is True or (scaling.use_gpu == "auto" and gpus >= 1):  # auto: GPUs, as the run would
+    if _gpu_workers(scaling.use_gpu, gpus):  # auto: GPUs, as the run would
         return (
             f"scaling.use_gpu={str(scaling.use_gpu).lower()} gives each of scaling.num_workers="
             f"{scaling.num_workers} a GPU, but the single-node Ray cluster of this run has {gpus:g}: set "
@@ -416,16 +415,19 @@ def check_shared_paths(
             marker.unlink(missing_ok=True)
 
 
+def _gpu_workers(setting: bool | str, view_gpus: float) -> bool:
+    """Whether workers take a GPU: ``scaling.use_gpu``, with ``auto`` as the GPUs the cluster has now."""
+    return view_gpus >= 1 if setting == "auto" else bool(setting)
+
+
 def resolve_use_gpu(setting: bool | str, view_gpus: float, topology: Topology) -> tuple[bool, str | None]:
     """``scaling.use_gpu`` -> (use GPUs?, a warning to log loudly or None).
 
     ``auto`` is decided from the GPUs the cluster has *now*: on an autoscaling cluster whose GPU nodes are
     not up yet that means CPU, so ``auto`` resolving to CPU on a multi-node cluster is worth a warning.
     """
-    if setting != "auto":
-        return bool(setting), None
-    use_gpu = view_gpus >= 1
-    if not use_gpu and topology.multi_node:
+    use_gpu = _gpu_workers(setting, view_gpus)
+    if setting == "auto" and not use_gpu and topology.multi_node:
         return False, (
             f"scaling.use_gpu=auto resolved to CPU: the cluster has no GPU now ({topology.reason}). On "
             f"an autoscaling cluster whose GPU nodes are not up yet this trains on CPU; set "
