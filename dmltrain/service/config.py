@@ -28,6 +28,14 @@ from pydantic_core import PydanticCustomError
 from dmltrain.data.urls import is_local
 
 
+def plain_folder_name(value: str) -> str:
+    """``value`` if it names one folder under run.storage_path (a run's, a sweep's): ../x or a/b would put
+    checkpoints elsewhere. A ValueError for a pydantic validator otherwise."""
+    if not value or value in (".", "..") or "/" in value or "\\" in value:
+        raise ValueError(f"must be a plain name (a folder under run.storage_path), got {value!r}")
+    return value
+
+
 class ConfigError(ValueError):
     """A configuration problem, with the file and key at fault in the message."""
 
@@ -455,10 +463,7 @@ class RunSection(_Section):
     @field_validator("name")
     @classmethod
     def _plain_name(cls, value: str) -> str:
-        """The run's folder under storage_path: ../x or a/b would put checkpoints elsewhere."""
-        if not value or value in (".", "..") or "/" in value or "\\" in value:
-            raise ValueError(f"must be a plain name (a folder under run.storage_path), got {value!r}")
-        return value
+        return plain_folder_name(value)
 
     storage_path: str = Field(default="./ray_results", description="Shared storage for Ray checkpoints.")
     max_failures: int = Field(default=3, ge=-1, description="Worker-group restarts from the last checkpoint.")

@@ -39,6 +39,7 @@ from dmltrain.service.config import (
     apply_overrides,
     config_from_dict,
     parse_override,
+    plain_folder_name,
     read_yaml_mapping,
 )
 
@@ -67,11 +68,8 @@ class SweepSpec(_Strict):
 
     @field_validator("name")
     @classmethod
-    def _plain_name(cls, value: str) -> str:
-        """Tune's experiment folder under run.storage_path: a/b nested it, as run.name refuses."""
-        if value in (".", "..") or "/" in value or "\\" in value:
-            raise ValueError(f"must be a plain name (a folder under run.storage_path), got {value!r}")
-        return value
+    def _plain_name(cls, value: str) -> str:  # Tune's experiment folder: a/b nested it
+        return plain_folder_name(value)
 
     baselines: list[Literal["pixels"]] = Field(
         default_factory=list, description="pixels: retrieval on raw normalised pixels, no network."
